@@ -1,0 +1,214 @@
+#!/usr/bin/python
+# Copyright: eagle3-pve contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Lifecycle of the embedded default: a local LXC container with systemd inside, standing in for a PVE CT."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: local_lxc
+short_description: Start, stop or remove a local LXC container that stands in for a Proxmox VE CT
+description:
+  - Drives the C(lxc-*) tools for a container kept under its own lxcpath (the embedded default CT 129).
+  - C(started) boots the container and waits until systemd inside reports C(running) or C(degraded).
+  - C(absent) stops the container and removes its directory, then verifies that no process, cgroup
+    directory or mount of it is left behind, and fails listing them when any is.
+  - The container's configuration and root file system are written by the C(local_ct) role, not here.
+version_added: "0.1.0"
+author: eagle3-pve contributors
+options:
+  name:
+    description: Container name (the VMID).
+    type: str
+    required: true
+  lxcpath:
+    description: Directory that holds the container (C(lxc-* -P)).
+    type: path
+    required: true
+  state:
+    description: Wanted state.
+    type: str
+    choices: [started, stopped, absent]
+    default: started
+  restart:
+    description: Restart a running container (its configuration changed; LXC reads it only at start).
+    type: bool
+    default: false
+  boot_timeout:
+    description: Seconds to wait for systemd inside to finish booting.
+    type: int
+    default: 60
+  stop_timeout:
+    description: Seconds a clean shutdown may take before the container is killed.
+    type: int
+    default: 30
+"""
+
+EXAMPLES = r"""
+- name: Boot the local CT 129
+  local_lxc:
+    name: "129"
+    lxcpath: /var/lib/eagle3-pve/lxc
+
+- name: Remove it, verifying nothing is left behind
+  local_lxc:
+    name: "129"
+    lxcpath: /var/lib/eagle3-pve/lxc
+    state: absent
+"""
+
+RETURN = r"""
+state:
+  description: State of the container afterwards (C(RUNNING), C(STOPPED) or C(ABSENT)).
+  type: str
+  returned: always
+system_state:
+  description: What C(systemctl is-system-running) said inside the container once booted.
+  type: str
+  returned: when state is started
+init_pid:
+  description: Host PID of the container's init.
+  type: int
+  returned: when state is started
+leftovers:
+  description: Processes, cgroup directories and mounts of the container found after removal (empty on success).
+  type: list
+  elements: str
+  returned: when state is absent
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+
+def lxc(module, *args, check=True, timeout=120):
+    cmd = [args[0], "-P", module.params["lxcpath"], "-n", module.params["name"], *args[1:]]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        module.fail_json(msg=f"{' '.join(cmd)} did not finish within {timeout}s")
+    if check and proc.returncode != 0:
+        module.fail_json(msg=f"{' '.join(cmd)} failed (rc={proc.returncode}): {proc.stderr.strip()}",
+                         stdout=proc.stdout, stderr=proc.stderr)
+    return proc
+
+
+def state_of(module) -> str:
+    if not os.path.exists(os.path.join(module.params["lxcpath"], module.params["name"], "config")):
+        return "ABSENT"
+    proc = lxc(module, "lxc-info", "-sH", check=False)
+    return proc.stdout.strip() or "STOPPED"
+
+
+def wait_booted(module) -> str:
+    """Poll systemd inside the container until it has finished booting (running or degraded)."""
+    deadline = time.monotonic() + module.params["boot_timeout"]
+    seen = ""
+    while time.monotonic() < deadline:
+        proc = lxc(module, "lxc-attach", "--clear-env", "--", "systemctl", "is-system-running",
+                   check=False, timeout=10)
+        seen = proc.stdout.strip()
+        if seen in ("running", "degraded"):
+            return seen
+        time.sleep(0.25)
+    module.fail_json(msg=f"CT {module.params['name']}: systemd did not finish booting within "
+                         f"{module.params['boot_timeout']}s (last state: {seen or 'no answer'})")
+
+
+def stop(module):
+    proc = lxc(module, "lxc-stop", "-t", str(module.params["stop_timeout"]), check=False,
+               timeout=module.params["stop_timeout"] + 30)
+    if state_of(module) == "RUNNING":
+        lxc(module, "lxc-stop", "-k", check=False)
+    if state_of(module) == "RUNNING":
+        module.fail_json(msg=f"CT {module.params['name']} is still running after lxc-stop -k: {proc.stderr}")
+
+
+def leftovers(name: str, ct_dir: str) -> list[str]:
+    """What a removed container may leave behind: cgroup directories, mounts, processes rooted in it."""
+    bases = ["/sys/fs/cgroup", *glob.glob("/sys/fs/cgroup/*/")]  # v2 unified, or one dir per v1 controller
+    found = [path for base in bases for kind in ("payload", "monitor", "pivot")
+             if os.path.isdir(path := os.path.join(base, f"lxc.{kind}.{name}"))]
+    with open("/proc/self/mountinfo") as f:
+        found += [f"mount {line.split()[4]}" for line in f if line.split()[4].startswith(ct_dir + "/")
+                  or line.split()[4] == ct_dir]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            root = os.readlink(f"/proc/{pid}/root")
+        except OSError:
+            continue
+        if root.startswith(ct_dir + "/"):
+            found.append(f"process {pid} with root {root}")
+    return sorted(set(found))
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            name=dict(type="str", required=True),
+            lxcpath=dict(type="path", required=True),
+            state=dict(type="str", choices=["started", "stopped", "absent"], default="started"),
+            restart=dict(type="bool", default=False),
+            boot_timeout=dict(type="int", default=60),
+            stop_timeout=dict(type="int", default=30),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    if not p["name"].isdigit():
+        module.fail_json(msg=f"name must be the container's VMID (an integer), got {p['name']!r}")
+    ct_dir = os.path.join(p["lxcpath"], p["name"])
+    before = state_of(module)
+    result = {"changed": False, "state": before}
+
+    if p["state"] == "absent":
+        if before != "ABSENT" or os.path.exists(ct_dir):
+            result["changed"] = True
+            if not module.check_mode:
+                if before == "RUNNING":
+                    lxc(module, "lxc-stop", "-k", check=False)
+                if os.path.exists(ct_dir):
+                    shutil.rmtree(ct_dir)
+        result["state"] = "ABSENT"
+        result["leftovers"] = [] if module.check_mode else leftovers(p["name"], ct_dir)
+        if result["leftovers"]:
+            module.fail_json(msg=f"CT {p['name']} removed but left behind: {', '.join(result['leftovers'])}",
+                             **result)
+        module.exit_json(**result)
+
+    if before == "ABSENT":
+        module.fail_json(msg=f"CT {p['name']} has no configuration at {ct_dir}/config: the local_ct role writes it")
+
+    if p["state"] == "stopped":
+        if before == "RUNNING":
+            result["changed"] = True
+            if not module.check_mode:
+                stop(module)
+        result["state"] = "STOPPED"
+        module.exit_json(**result)
+
+    # started
+    if before == "RUNNING" and p["restart"]:
+        result["changed"] = True
+        if module.check_mode:
+            module.exit_json(**result)
+        stop(module)
+        before = "STOPPED"
+    if before != "RUNNING":
+        result["changed"] = True
+        if module.check_mode:
+            module.exit_json(**result)
+        lxc(module, "lxc-start", "-d")
+    result["system_state"] = wait_booted(module)
+    result["state"] = "RUNNING"
+    result["init_pid"] = int(lxc(module, "lxc-info", "-pH").stdout.strip() or 0)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()
