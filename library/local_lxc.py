@@ -93,8 +93,11 @@ def lxc(module, *args, check=True, timeout=120):
     except subprocess.TimeoutExpired:
         module.fail_json(msg=f"{' '.join(cmd)} did not finish within {timeout}s")
     if check and proc.returncode != 0:
-        module.fail_json(msg=f"{' '.join(cmd)} failed (rc={proc.returncode}): {proc.stderr.strip()}",
-                         stdout=proc.stdout, stderr=proc.stderr)
+        module.fail_json(
+            msg=f"{' '.join(cmd)} failed (rc={proc.returncode}): {proc.stderr.strip()}",
+            stdout=proc.stdout,
+            stderr=proc.stderr,
+        )
     return proc
 
 
@@ -110,19 +113,35 @@ def wait_booted(module) -> str:
     deadline = time.monotonic() + module.params["boot_timeout"]
     seen = ""
     while time.monotonic() < deadline:
-        proc = lxc(module, "lxc-attach", "--clear-env", "--", "systemctl", "is-system-running",
-                   check=False, timeout=10)
+        proc = lxc(
+            module,
+            "lxc-attach",
+            "--clear-env",
+            "--",
+            "systemctl",
+            "is-system-running",
+            check=False,
+            timeout=10,
+        )
         seen = proc.stdout.strip()
         if seen in ("running", "degraded"):
             return seen
         time.sleep(0.25)
-    module.fail_json(msg=f"CT {module.params['name']}: systemd did not finish booting within "
-                         f"{module.params['boot_timeout']}s (last state: {seen or 'no answer'})")
+    module.fail_json(
+        msg=f"CT {module.params['name']}: systemd did not finish booting within "
+        f"{module.params['boot_timeout']}s (last state: {seen or 'no answer'})"
+    )
 
 
 def stop(module):
-    proc = lxc(module, "lxc-stop", "-t", str(module.params["stop_timeout"]), check=False,
-               timeout=module.params["stop_timeout"] + 30)
+    proc = lxc(
+        module,
+        "lxc-stop",
+        "-t",
+        str(module.params["stop_timeout"]),
+        check=False,
+        timeout=module.params["stop_timeout"] + 30,
+    )
     if state_of(module) == "RUNNING":
         lxc(module, "lxc-stop", "-k", check=False)
     if state_of(module) == "RUNNING":
@@ -132,11 +151,18 @@ def stop(module):
 def leftovers(name: str, ct_dir: str) -> list[str]:
     """What a removed container may leave behind: cgroup directories, mounts, processes rooted in it."""
     bases = ["/sys/fs/cgroup", *glob.glob("/sys/fs/cgroup/*/")]  # v2 unified, or one dir per v1 controller
-    found = [path for base in bases for kind in ("payload", "monitor", "pivot")
-             if os.path.isdir(path := os.path.join(base, f"lxc.{kind}.{name}"))]
+    found = [
+        path
+        for base in bases
+        for kind in ("payload", "monitor", "pivot")
+        if os.path.isdir(path := os.path.join(base, f"lxc.{kind}.{name}"))
+    ]
     with open("/proc/self/mountinfo") as f:
-        found += [f"mount {line.split()[4]}" for line in f if line.split()[4].startswith(ct_dir + "/")
-                  or line.split()[4] == ct_dir]
+        found += [
+            f"mount {line.split()[4]}"
+            for line in f
+            if line.split()[4].startswith(ct_dir + "/") or line.split()[4] == ct_dir
+        ]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             root = os.readlink(f"/proc/{pid}/root")
@@ -177,12 +203,15 @@ def main():
         result["state"] = "ABSENT"
         result["leftovers"] = [] if module.check_mode else leftovers(p["name"], ct_dir)
         if result["leftovers"]:
-            module.fail_json(msg=f"CT {p['name']} removed but left behind: {', '.join(result['leftovers'])}",
-                             **result)
+            module.fail_json(
+                msg=f"CT {p['name']} removed but left behind: {', '.join(result['leftovers'])}", **result
+            )
         module.exit_json(**result)
 
     if before == "ABSENT":
-        module.fail_json(msg=f"CT {p['name']} has no configuration at {ct_dir}/config: the local_ct role writes it")
+        module.fail_json(
+            msg=f"CT {p['name']} has no configuration at {ct_dir}/config: the local_ct role writes it"
+        )
 
     if p["state"] == "stopped":
         if before == "RUNNING":

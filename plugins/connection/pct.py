@@ -119,8 +119,10 @@ class Connection(ConnectionBase):
 
     def _connect(self):
         if not self._connected:
-            display.vvv(f"PCT: vmid {self.get_option('vmid')} on node {self.get_option('node') or 'localhost'}",
-                        host=self._play_context.remote_addr)
+            display.vvv(
+                f"PCT: vmid {self.get_option('vmid')} on node {self.get_option('node') or 'localhost'}",
+                host=self._play_context.remote_addr,
+            )
             self._connected = True
         return self
 
@@ -146,7 +148,9 @@ class Connection(ConnectionBase):
         except subprocess.TimeoutExpired as e:
             proc.kill()
             proc.communicate()
-            raise AnsibleConnectionFailure(f"pct: command timed out after {timeout}s: {shlex.join(inner)}") from e
+            raise AnsibleConnectionFailure(
+                f"pct: command timed out after {timeout}s: {shlex.join(inner)}"
+            ) from e
         return proc.returncode, out or b"", err or b""
 
     def exec_command(self, cmd, in_data=None, sudoable=True):
@@ -165,7 +169,9 @@ class Connection(ConnectionBase):
             data = f.read()
         rc, _out, err = self._run(["/bin/sh", "-c", f"cat > {shlex.quote(out_path)}"], data)
         if rc != 0:
-            raise AnsibleError(f"pct: failed to write {out_path} in CT {self.get_option('vmid')}: {to_text(err)}")
+            raise AnsibleError(
+                f"pct: failed to write {out_path} in CT {self.get_option('vmid')}: {to_text(err)}"
+            )
 
     def fetch_file(self, in_path, out_path):
         super().fetch_file(in_path, out_path)
@@ -173,7 +179,9 @@ class Connection(ConnectionBase):
         with open(to_bytes(out_path, errors="surrogate_or_strict"), "wb") as f:
             rc, _out, err = self._run(["cat", "--", in_path], None, stdout=f)
         if rc != 0:
-            raise AnsibleError(f"pct: failed to read {in_path} in CT {self.get_option('vmid')}: {to_text(err)}")
+            raise AnsibleError(
+                f"pct: failed to read {in_path} in CT {self.get_option('vmid')}: {to_text(err)}"
+            )
 
     def close(self):
         self._connected = False
