@@ -1,0 +1,3 @@
+"""EAGLE-3 drafter trainer: model, TTT, loss, data, training loop and export."""
+
+__version__ = "0.1.0"
