@@ -1,0 +1,29 @@
+# eagle3-pve: the two README commands and their parts.
+#   make demo   set up, provision the local CT 129, run train.yml on it (max_seq_len=16384)
+#   make test   set up, then every lint and test tier, ending with one summary line
+SHELL := /bin/bash
+VENV := .venv/bin
+MAX_SEQ_LEN ?= 16384
+
+.PHONY: setup demo test lint pytest molecule clean-ct
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	@PATH=$(CURDIR)/$(VENV):$$PATH scripts/demo.sh $(MAX_SEQ_LEN)
+
+test: setup
+	@PATH=$(CURDIR)/$(VENV):$$PATH scripts/test.sh
+
+lint: setup
+	@PATH=$(CURDIR)/$(VENV):$$PATH scripts/test.sh lint
+
+pytest: setup
+	@PATH=$(CURDIR)/$(VENV):$$PATH scripts/test.sh pytest
+
+molecule: setup
+	@PATH=$(CURDIR)/$(VENV):$$PATH scripts/test.sh molecule
+
+clean-ct:
+	@PATH=$(CURDIR)/$(VENV):$$PATH ansible-playbook provision.yml -e local_ct_state=absent

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: provision the local CT 129 (idempotent), then train in it.
+# Usage: scripts/demo.sh [MAX_SEQ_LEN]   (make demo MAX_SEQ_LEN=8192)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+export PATH="$ROOT/.venv/bin:$PATH"
+max_seq_len=${1:-16384}
+[ "$(id -u)" = 0 ] || { echo "demo: the local CT needs root (LXC containers with systemd); run as root" >&2; exit 1; }
+
+echo "[demo] provision.yml: local CT 129 (LXC, systemd, stand-in GPUs, no network)"
+ansible-playbook provision.yml
+echo "[demo] train.yml -e max_seq_len=$max_seq_len"
+ansible-playbook train.yml -e "max_seq_len=$max_seq_len"
+echo "[demo] done. Status any time: ansible-playbook status.yml; stop: ansible-playbook cleanup.yml"

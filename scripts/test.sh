@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Every test tier, in order of cost, each recorded as pass/fail; ends with one summary line
+#   summary: N passed, N failed, N skipped
+# where pytest contributes its test counts and every other stage (lint, molecule scenario) counts as one.
+# Usage: scripts/test.sh [lint|pytest|molecule]...   (default: all)
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_FORCE_COLOR=false PY_COLORS=0 NO_COLOR=1
+REPORTS=$(mktemp -d /tmp/eagle3-test.XXXXXX)
+trap 'rm -rf "$REPORTS"' EXIT
+
+passed=0 failed=0 skipped=0 failures=()
+stage() {  # stage NAME CMD...: a stage that counts as one test
+    local name=$1; shift
+    local t0=$SECONDS
+    printf '\n=== %s: %s\n' "$name" "$*"
+    if "$@"; then
+        passed=$((passed + 1)); printf '=== %s: ok (%ss)\n' "$name" $((SECONDS - t0))
+    else
+        failed=$((failed + 1)); failures+=("$name"); printf '=== %s: FAILED (%ss)\n' "$name" $((SECONDS - t0))
+    fi
+}
+pytest_stage() {  # pytest_stage NAME PYTHON DIR ARGS...: adds pytest's own counts
+    local name=$1 py=$2 dir=$3; shift 3
+    local xml="$REPORTS/$name.xml" t0=$SECONDS rc p=0 f=0 s=0
+    printf '\n=== %s: pytest %s\n' "$name" "$dir"
+    (cd "$dir" && "$py" -m pytest -q -p no:cacheprovider --junitxml="$xml" "$@")
+    rc=$?
+    if [ $rc -eq 5 ]; then
+        # No test collected: a broken collection must never pass silently.
+        failed=$((failed + 1)); failures+=("$name (no tests collected)")
+        printf '=== %s: FAILED: pytest collected no tests in %s\n' "$name" "$dir"
+        return
+    fi
+    if [ -f "$xml" ]; then
+        read -r p f s < <("$ROOT/.venv/bin/python" - "$xml" <<'PY'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+t = sum(int(s.get("tests", 0)) for s in suites)
+f = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+sk = sum(int(s.get("skipped", 0)) for s in suites)
+print(t - f - sk, f, sk)
+PY
+        )
+        passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
+    fi
+    if [ $rc -ne 0 ]; then
+        failures+=("$name (rc=$rc)")
+        [ -f "$xml" ] && [ "${f:-0}" -gt 0 ] || failed=$((failed + 1))
+    fi
+    printf '=== %s: rc=%s (%ss)\n' "$name" "$rc" $((SECONDS - t0))
+}
+
+want=("$@"); [ ${#want[@]} -gt 0 ] || want=(lint pytest molecule)
+for w in "${want[@]}"; do
+    case "$w" in
+    lint)
+        stage ruff-check ruff check .
+        stage ruff-format ruff format --check .
+        stage ansible-lint ansible-lint --profile production -q
+        ;;
+    pytest)
+        pytest_stage pytest-controller "$ROOT/.venv/bin/python" "$ROOT" tests
+        pytest_stage pytest-trainer "$ROOT/.venv-train/bin/python" "$ROOT/training" tests
+        ;;
+    molecule)
+        for s in default pve lxc; do
+            [ -f "molecule/$s/molecule.yml" ] || { printf '\n=== molecule-%s: missing\n' "$s"; failed=$((failed + 1)); failures+=("molecule-$s (missing)"); continue; }
+            stage "molecule-$s" molecule test -s "$s"
+        done
+        ;;
+    *) echo "unknown stage $w (lint|pytest|molecule)" >&2; exit 2 ;;
+    esac
+done
+
+echo
+[ ${#failures[@]} -eq 0 ] || printf 'failed stages: %s\n' "${failures[*]}"
+echo "summary: $passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]
