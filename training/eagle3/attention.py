@@ -1,0 +1,307 @@
+"""Attention of the EAGLE-3 drafter during training-time test (TTT), for one packed row.
+
+At TTT step k the query at slot j sees (FACTS.md §5):
+
+* the step-0 keys of its own document at slots <= j (causal, within the document), and
+* exactly one key per later step 1..k, the one at the same slot j (the "diagonal").
+
+Worked example, two documents `[0, 0, 1]`, step 1 (keys are step 0 slots 0..2, then step 1 slots 0..2):
+
+    query 0: step-0 {0}      + step-1 {0}
+    query 1: step-0 {0, 1}   + step-1 {1}
+    query 2: step-0 {2}      + step-1 {2}     (document 1 starts at slot 2)
+
+Padding slots (document id -1) see only their own slot at every step.
+
+Two implementations with the same result:
+
+* `flex`: `torch.nn.attention.flex_attention` over the concatenated K/V of steps 0..k with a
+  document BlockMask built once per step (`B=None, H=None`), compiled on CUDA. On CPU the forward
+  works (eager) but there is no backward, so it is used there only to check parity.
+* `exact`: a blockwise attention with its own backward (`BlockwiseTTTAttention`): per block of
+  queries it scores only the step-0 keys from the block's first document start to the block end,
+  plus the diagonal keys. It saves q, k, v, the output and the log-sum-exp for backward and
+  recomputes the scores block by block, so memory is O(S * block), never S x S.
+
+Documents must be contiguous runs of one id (packing guarantees it); `validate_document_ids` checks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from eagle3.errors import DataError
+
+ATTENTION_KINDS = ("auto", "flex", "exact")
+
+# Query block of the exact path. 256 keeps the per-block score tensor small ([heads, 256, doc span])
+# while the per-block Python overhead stays negligible at S = 16384 (64 blocks per step).
+DEFAULT_BLOCK_SIZE = 256
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """Slot where the document of each slot begins; padding slots (-1) are one-slot documents.
+
+    >>> document_starts(torch.tensor([0, 0, 0, 1, 1, -1, -1])).tolist()
+    [0, 0, 0, 3, 3, 5, 6]
+    """
+    seq_len = document_ids.shape[0]
+    slots = torch.arange(seq_len, device=document_ids.device)
+    begins = torch.ones(seq_len, dtype=torch.bool, device=document_ids.device)
+    begins[1:] = document_ids[1:] != document_ids[:-1]
+    begins |= document_ids < 0
+    return torch.where(begins, slots, torch.zeros_like(slots)).cummax(0).values  # [S]
+
+
+def validate_document_ids(document_ids: torch.Tensor) -> None:
+    """Raise DataError unless every document id >= 0 occupies one contiguous run of slots.
+
+    >>> validate_document_ids(torch.tensor([0, 0, 1, -1]))
+    >>> validate_document_ids(torch.tensor([0, 1, 0]))
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.DataError: document_ids: document 0 appears in 2 separate runs (first at slots 0 and 2); packing must place each document in one contiguous run
+    """
+    if document_ids.dim() != 1:
+        raise DataError(f"document_ids has shape {list(document_ids.shape)}, expected [S] (one packed row)")
+    ids = document_ids.detach().cpu()
+    begins = torch.ones_like(ids, dtype=torch.bool)
+    begins[1:] = ids[1:] != ids[:-1]
+    run_ids = ids[begins & (ids >= 0)]
+    unique, counts = torch.unique(run_ids, return_counts=True)
+    if bool((counts > 1).any()):
+        doc = int(unique[counts > 1][0])
+        first = torch.nonzero(begins & (ids == doc)).flatten()[:2].tolist()
+        raise DataError(
+            f"document_ids: document {doc} appears in {int(counts[counts > 1][0])} separate runs "
+            f"(first at slots {first[0]} and {first[1]}); packing must place each document in one contiguous run"
+        )
+
+
+def resolve_attention(kind: str, device: torch.device) -> str:
+    """'auto' means flex on CUDA and exact elsewhere.
+
+    >>> resolve_attention("auto", torch.device("cpu"))
+    'exact'
+    """
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention={kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
+    if kind == "auto":
+        return "flex" if device.type == "cuda" else "exact"
+    return kind
+
+
+def _query_blocks(doc_start: torch.Tensor, block_size: int) -> Iterator[tuple[int, int, int]]:
+    """(first query, end query, first key) per block; keys of a block run from its first query's document start.
+
+    >>> list(_query_blocks(torch.tensor([0, 0, 2, 2, 2]), 2))
+    [(0, 2, 0), (2, 4, 2), (4, 5, 2)]
+    """
+    seq_len = doc_start.shape[0]
+    firsts = doc_start[::block_size].tolist()  # one host sync per call, not per block
+    for n, key_start in enumerate(firsts):
+        a = n * block_size
+        yield a, min(a + block_size, seq_len), int(key_start)
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the accumulation dtype: fp32 for bf16/fp16/fp32 inputs, fp64 stays fp64 (gradcheck in tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _acc_zeros(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
+
+
+def _block_scores(q_blk, k0, doc_start, a, b, key_start, scale):
+    """Masked step-0 scores of queries a..b-1 against keys key_start..b-1, in fp32: [heads, B, R]."""
+    scores = torch.matmul(q_blk, _acc(k0[:, key_start:b]).transpose(1, 2)) * scale  # [nh, B, R]
+    q_pos = torch.arange(a, b, device=q_blk.device)
+    k_pos = torch.arange(key_start, b, device=q_blk.device)
+    allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= doc_start[a:b, None])  # [B, R]
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def _diag_scores(q_blk, diag_keys, a, b, scale):
+    """Scores of each query against the same-slot key of each later step: [heads, B, m]."""
+    if not diag_keys:
+        return q_blk.new_empty(q_blk.shape[0], q_blk.shape[1], 0)
+    return torch.stack([(q_blk * _acc(kd[:, a:b])).sum(-1) for kd in diag_keys], dim=-1) * scale
+
+
+class BlockwiseTTTAttention(torch.autograd.Function):
+    """Exact TTT attention, blockwise, with a recomputing backward (flash-attention style, on any device).
+
+    Inputs: `q, k0, v0` [heads, S, head_dim] (step 0), then `k1, v1, ..., km, vm` for steps 1..m.
+    """
+
+    @staticmethod
+    def forward(ctx, block_size: int, doc_start: torch.Tensor, q, k0, v0, *diag):
+        head_dim = q.shape[-1]
+        scale = 1.0 / math.sqrt(head_dim)
+        diag_k, diag_v = diag[0::2], diag[1::2]
+        out = torch.empty_like(q)  # [nh, S, hd]
+        lse = _acc_zeros(q[..., 0])  # [nh, S]
+        for a, b, key_start in _query_blocks(doc_start, block_size):
+            q_blk = _acc(q[:, a:b])  # [nh, B, hd]
+            scores = _block_scores(q_blk, k0, doc_start, a, b, key_start, scale)  # [nh, B, R]
+            d_scores = _diag_scores(q_blk, diag_k, a, b, scale)  # [nh, B, m]
+            row_max = torch.maximum(
+                scores.amax(-1), d_scores.amax(-1) if diag_k else scores.amax(-1)
+            )  # [nh, B]
+            p = torch.exp(scores - row_max[..., None])  # [nh, B, R]
+            p_diag = torch.exp(d_scores - row_max[..., None])  # [nh, B, m]
+            denom = p.sum(-1) + p_diag.sum(-1)  # [nh, B]
+            o = torch.matmul(p, _acc(v0[:, key_start:b]))  # [nh, B, hd]
+            for i, vd in enumerate(diag_v):
+                o += p_diag[..., i, None] * _acc(vd[:, a:b])
+            out[:, a:b] = (o / denom[..., None]).to(q.dtype)
+            lse[:, a:b] = row_max + torch.log(denom)
+        ctx.block_size = block_size
+        ctx.save_for_backward(doc_start, q, k0, v0, out, lse, *diag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        doc_start, q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        diag_k, diag_v = diag[0::2], diag[1::2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        dq = _acc_zeros(q)
+        dk0 = _acc_zeros(k0)
+        dv0 = _acc_zeros(v0)
+        d_diag = [_acc_zeros(t) for t in diag]
+        for a, b, key_start in _query_blocks(doc_start, ctx.block_size):
+            q_blk = _acc(q[:, a:b])  # [nh, B, hd]
+            k_rng = _acc(k0[:, key_start:b])  # [nh, R, hd]
+            v_rng = _acc(v0[:, key_start:b])  # [nh, R, hd]
+            blk_lse = lse[:, a:b, None]  # [nh, B, 1]
+            p = torch.exp(_block_scores(q_blk, k0, doc_start, a, b, key_start, scale) - blk_lse)  # [nh, B, R]
+            p_diag = torch.exp(_diag_scores(q_blk, diag_k, a, b, scale) - blk_lse)  # [nh, B, m]
+            g = _acc(grad_out[:, a:b])  # [nh, B, hd]
+            delta = (g * _acc(out[:, a:b])).sum(-1, keepdim=True)  # [nh, B, 1]
+            dv0[:, key_start:b] += torch.matmul(p.transpose(1, 2), g)
+            ds = p * (torch.matmul(g, v_rng.transpose(1, 2)) - delta)  # [nh, B, R]
+            dq_blk = torch.matmul(ds, k_rng) * scale  # [nh, B, hd]
+            dk0[:, key_start:b] += torch.matmul(ds.transpose(1, 2), q_blk) * scale
+            for i, (kd, vd) in enumerate(zip(diag_k, diag_v, strict=True)):
+                pd = p_diag[..., i, None]  # [nh, B, 1]
+                dsd = pd * ((g * _acc(vd[:, a:b])).sum(-1, keepdim=True) - delta)  # [nh, B, 1]
+                dq_blk += dsd * _acc(kd[:, a:b]) * scale
+                d_diag[2 * i][:, a:b] = dsd * q_blk * scale
+                d_diag[2 * i + 1][:, a:b] = pd * g
+            dq[:, a:b] = dq_blk
+        grads = [dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype)]
+        grads += [d.to(t.dtype) for d, t in zip(d_diag, diag, strict=True)]
+        return None, None, *grads
+
+
+def exact_ttt_attention(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    doc_start: torch.Tensor,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor:
+    """TTT attention of step len(keys)-1; q and every key/value are [heads, S, head_dim]."""
+    diag = [t for kv in zip(keys[1:], values[1:], strict=True) for t in kv]
+    return BlockwiseTTTAttention.apply(block_size, doc_start, q, keys[0], values[0], *diag)
+
+
+def ttt_mask_mod(document_ids: torch.Tensor):
+    """flex_attention mask_mod over KV = steps 0..k concatenated (KV slot = step * S + slot).
+
+    Causal within the document for step-0 keys, plus the same slot of every step (the diagonal).
+    """
+    seq_len = document_ids.shape[0]
+
+    def mask_mod(_b, _h, q_idx, kv_idx):
+        kv_slot = kv_idx % seq_len
+        same_doc = (document_ids[q_idx] == document_ids[kv_slot]) & (document_ids[q_idx] >= 0)
+        causal_step0 = (kv_idx <= q_idx) & same_doc  # kv_idx <= q_idx < S only holds for step-0 keys
+        return causal_step0 | (kv_slot == q_idx)
+
+    return mask_mod
+
+
+def ttt_block_mask(document_ids: torch.Tensor, step: int, compile_mask: bool) -> BlockMask:
+    """BlockMask of step `step` (KV length S * (step + 1)), broadcast over batch and heads (B=None, H=None).
+
+    Compile on CUDA: uncompiled, create_block_mask materialises the whole Q x KV grid (FACTS.md §6).
+    """
+    seq_len = document_ids.shape[0]
+    return create_block_mask(
+        ttt_mask_mod(document_ids),
+        B=None,
+        H=None,
+        Q_LEN=seq_len,
+        KV_LEN=seq_len * (step + 1),
+        device=document_ids.device,
+        _compile=compile_mask,
+    )
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_fn(compiled: bool):
+    """The compiled flex_attention is made once per process (static shapes: one graph per TTT step)."""
+    global _COMPILED_FLEX
+    if not compiled:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+class TTTAttention:
+    """The attention of one packed row, built once per batch; call it with the K/V list of steps 0..k.
+
+    Holds no state across batches (the flex BlockMasks live as long as this object: one per step).
+    """
+
+    def __init__(self, document_ids: torch.Tensor, kind: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE):
+        self.kind = resolve_attention(kind, document_ids.device)
+        self.document_ids = document_ids
+        self.block_size = block_size
+        self.doc_start = document_starts(document_ids) if self.kind == "exact" else None
+        self.compiled = document_ids.device.type == "cuda"
+        self._block_masks: dict[int, BlockMask] = {}
+
+    def block_mask(self, step: int) -> BlockMask:
+        if step not in self._block_masks:
+            self._block_masks[step] = ttt_block_mask(self.document_ids, step, self.compiled)
+        return self._block_masks[step]
+
+    def __call__(self, q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
+        """q and each key/value: [heads, S, head_dim]; returns [heads, S, head_dim]."""
+        if self.kind == "exact":
+            return exact_ttt_attention(q, keys, values, self.doc_start, self.block_size)
+        step = len(keys) - 1
+        k = torch.cat(list(keys), dim=1)[None]  # [1, nh, S*(step+1), hd]
+        v = torch.cat(list(values), dim=1)[None]  # [1, nh, S*(step+1), hd]
+        with warnings.catch_warnings():
+            # Eager flex on CPU (parity tests only) warns that it is unfused; that is expected there.
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            out = _flex_fn(self.compiled)(q[None], k, v, block_mask=self.block_mask(step))
+        return out[0]  # [nh, S, hd]
+
+
+def reference_ttt_attention(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], document_ids: torch.Tensor
+) -> torch.Tensor:
+    """Dense eager reference for tests on tiny rows: builds the full [S, S*(k+1)] mask from `ttt_mask_mod`."""
+    seq_len = q.shape[1]
+    kv_len = seq_len * len(keys)
+    mask = ttt_mask_mod(document_ids)(
+        None, None, torch.arange(seq_len)[:, None], torch.arange(kv_len)[None, :]
+    )  # [S, S*(k+1)]
+    k = _acc(torch.cat(list(keys), dim=1))  # [nh, KV, hd]
+    v = _acc(torch.cat(list(values), dim=1))
+    scores = torch.matmul(_acc(q), k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # [nh, S, KV]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, v).to(q.dtype)  # [nh, S, hd]
