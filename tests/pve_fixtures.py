@@ -1,0 +1,82 @@
+"""Helpers for the Proxmox tests: run a module's main() the ansible-core way, seed fakepve.
+
+The modules import `ansible.module_utils.pve`, which Ansible resolves from the project's
+module_utils/ at run time; here the project's module_utils directory is added to that package's
+search path so the same import works under plain pytest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import ansible.module_utils
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT / "module_utils") not in ansible.module_utils.__path__:
+    ansible.module_utils.__path__.append(str(ROOT / "module_utils"))
+
+TEMPLATE_FILE = "debian-12-standard_12.7-1_amd64.tar.zst"
+TEMPLATE = f"local:vztmpl/{TEMPLATE_FILE}"
+GPU_NODES = ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+def load_file_module(name, path):
+    """Import a module from a file path (library/*.py, role-embedded modules and plugins)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_module(module, args, capsys, check_mode=False, diff=True):
+    """Call module.main() with args; returns the parsed result (failed results included)."""
+    args = dict(args, _ansible_check_mode=check_mode, _ansible_diff=diff)
+    with patch_module_args(args), pytest.raises(SystemExit):
+        module.main()
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def api_args(pve, cafile, **extra):
+    """Module arguments that reach the fake with root@pam's password ticket."""
+    args = dict(
+        api_host=pve.host,
+        api_port=pve.port,
+        api_user="root@pam",
+        api_password=pve.password,
+        ca_path=cafile,
+        timeout=5,
+    )
+    args.update(extra)
+    return args
+
+
+def ct_spec(**extra):
+    """The CT 129 spec the provision role sends, with the stand-in GPU nodes."""
+    spec = dict(
+        vmid=129,
+        node="pve1",
+        template=TEMPLATE,
+        hostname="train129",
+        cores=8,
+        memory=16384,
+        swap=0,
+        rootfs="local-lvm:32",
+        net=["name=eth0,bridge=vmbr0,ip=dhcp"],
+        features={"nesting": True},
+        onboot=True,
+        devices=list(GPU_NODES),
+    )
+    spec.update(extra)
+    return spec
+
+
+def seed_template(pve):
+    """Put the OS template on storage 'local', as `pveam download local ...` would."""
+    pve.store_file("local", TEMPLATE_FILE, 129 * 1024**2, content="vztmpl")
