@@ -448,7 +448,7 @@ def value_equal(key, current, wanted):
     if current is None:
         return wanted is None
     if wanted is None:
-        return all(pve_bool(cur.get(k, "")) == pve_bool(v) for k, v in want.items())
+        return False
     if re.fullmatch(r"net\d+", key):
         first_c, cur = split_props(current)
         first_w, want = split_props(wanted)
@@ -510,9 +510,9 @@ def needs_restart(key, current, deleting, pve_major):
     (True, True)
     """
     if key in LIVE_KEYS:
-        return all(pve_bool(cur.get(k, "")) == pve_bool(v) for k, v in want.items())
+        return False
     if re.fullmatch(r"net\d+", key):
-        return all(pve_bool(cur.get(k, "")) == pve_bool(v) for k, v in want.items())
+        return False
     if re.fullmatch(r"dev\d+", key):
         return deleting or key in current or pve_major < 9
     return True
