@@ -1,0 +1,164 @@
+"""Raw lxc.* lines in /etc/pve/lxc/<vmid>.conf: the pure editor and the node-side module, on real files."""
+
+from __future__ import annotations
+
+import doctest
+import os
+
+import ansible.module_utils.pve as pve_utils
+import ansible.module_utils.pve_conf as pve_conf
+import pytest
+from pve_fixtures import ROOT, load_file_module, run_module
+
+pve_lxc_raw = load_file_module("pve_lxc_raw", ROOT / "library" / "pve_lxc_raw.py")
+
+ALLOW = "lxc.cgroup2.devices.allow: c 195:* rwm"
+MOUNT0 = "lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file"
+MOUNT1 = "lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file"
+
+PLAIN = """arch: amd64
+cores: 8
+hostname: train129
+memory: 16384
+ostype: debian
+rootfs: local-lvm:vm-129-disk-0,size=32G
+unprivileged: 1
+"""
+
+WITH_SNAPSHOTS = """arch: amd64
+cores: 8
+lxc.cgroup2.devices.allow: c 195:* rwm
+memory: 16384
+parent: before-driver
+rootfs: local-lvm:vm-129-disk-0,size=32G
+
+[before-driver]
+arch: amd64
+cores: 8
+lxc.mount.entry: /dev/nvidia9 dev/nvidia9 none bind,optional,create=file
+memory: 8192
+snaptime: 1733140000
+
+[pve:pending]
+memory: 32768
+"""
+
+
+@pytest.mark.parametrize("module", [pve_utils, pve_conf], ids=["pve", "pve_conf"])
+def test_docstring_examples_hold(module):
+    failures, tried = doctest.testmod(module)
+    assert tried > 10 and failures == 0
+
+
+def test_lines_are_added_to_a_file_without_sections_then_nothing_changes():
+    once = pve_conf.edit_raw_lines(PLAIN, [ALLOW, MOUNT0])
+    assert once == PLAIN + ALLOW + "\n" + MOUNT0 + "\n"
+    assert pve_conf.edit_raw_lines(once, [ALLOW, MOUNT0]) == once
+
+
+def test_lines_go_before_the_first_snapshot_and_snapshots_stay_as_they_were():
+    out = pve_conf.edit_raw_lines(WITH_SNAPSHOTS, [ALLOW, MOUNT0])
+    head, _, rest = out.partition("\n[before-driver]\n")
+    # ALLOW was already there; MOUNT0 goes right after the last raw line of the current config.
+    assert head.splitlines()[2:4] == [ALLOW, MOUNT0]
+    assert head.count(ALLOW) == 1
+    assert "[before-driver]\n" + rest == WITH_SNAPSHOTS.partition("\n\n")[2]
+    assert pve_conf.edit_raw_lines(out, [ALLOW, MOUNT0]) == out
+
+
+def test_a_line_only_in_a_snapshot_is_still_missing_from_the_current_config():
+    snap_line = "lxc.mount.entry: /dev/nvidia9 dev/nvidia9 none bind,optional,create=file"
+    out = pve_conf.edit_raw_lines(WITH_SNAPSHOTS, [snap_line])
+    assert out.index(snap_line) < out.index("[before-driver]")
+    assert out.count(snap_line) == 2
+
+
+def test_exclusive_replaces_the_value_of_a_key_and_keeps_other_keys():
+    conf = PLAIN + "lxc.hook.mount: /usr/share/lxc/hooks/old\n" + ALLOW + "\n"
+    out = pve_conf.edit_raw_lines(conf, ["lxc.hook.mount: /usr/share/lxc/hooks/nvidia"], exclusive=True)
+    assert "hooks/old" not in out and "lxc.hook.mount: /usr/share/lxc/hooks/nvidia\n" in out and ALLOW in out
+    without = pve_conf.edit_raw_lines(conf, ["lxc.hook.mount: /usr/share/lxc/hooks/nvidia"])
+    assert "hooks/old" in without, "without exclusive, a second value is added, the first kept"
+
+
+def test_absent_removes_only_matching_lines_of_the_current_config():
+    conf = pve_conf.edit_raw_lines(WITH_SNAPSHOTS, [MOUNT0, MOUNT1])
+    out = pve_conf.edit_raw_lines(
+        conf,
+        [MOUNT0, "lxc.mount.entry: /dev/nvidia9 dev/nvidia9 none bind,optional,create=file"],
+        state="absent",
+    )
+    head = out.partition("[before-driver]")[0]
+    assert MOUNT0 not in out and MOUNT1 in head and "nvidia9" in out.partition("[before-driver]")[2]
+    assert pve_conf.edit_raw_lines(out, [MOUNT0], state="absent") == out
+
+
+def test_existing_spellings_are_recognised():
+    conf = "arch: amd64\nlxc.cgroup2.devices.allow:c 195:* rwm\nlxc.odd\n"
+    assert pve_conf.edit_raw_lines(conf, [ALLOW]) == conf
+    assert pve_conf.edit_raw_lines("arch: amd64", [ALLOW]) == "arch: amd64\n" + ALLOW + "\n"
+
+
+@pytest.mark.parametrize("line", ["memory: 4096", "dev0: /dev/nvidia0", "lxc.mount.entry:", "just text"])
+def test_lines_that_are_not_raw_lxc_lines_are_refused(line):
+    with pytest.raises(pve_conf.ConfError, match="lxc"):
+        pve_conf.edit_raw_lines(PLAIN, [line])
+
+
+# ----------------------------------------------------------------- the module, on files
+
+
+def conf_dir(tmp_path, text):
+    path = tmp_path / "129.conf"
+    path.write_text(text)
+    return path
+
+
+def test_module_writes_in_place_and_is_idempotent(tmp_path, capsys):
+    path = conf_dir(tmp_path, WITH_SNAPSHOTS)
+    inode = os.stat(path).st_ino
+    args = dict(vmid=129, lines=[ALLOW, MOUNT0], config_dir=str(tmp_path))
+    first = run_module(pve_lxc_raw, args, capsys)
+    assert first["changed"] and first["raw_lines"] == [ALLOW, MOUNT0]
+    assert os.stat(path).st_ino == inode, "pmxcfs refuses renames: the file must be rewritten in place"
+    assert MOUNT0 + "\n" in path.read_text().partition("[before-driver]")[0]
+    assert first["diff"]["before"] == WITH_SNAPSHOTS and first["diff"]["after"] == path.read_text()
+    second = run_module(pve_lxc_raw, args, capsys)
+    assert second["changed"] is False and "diff" not in second
+
+
+def test_module_check_mode_shows_the_diff_and_leaves_the_file(tmp_path, capsys):
+    path = conf_dir(tmp_path, PLAIN)
+    result = run_module(
+        pve_lxc_raw, dict(vmid=129, lines=[MOUNT0], config_dir=str(tmp_path)), capsys, check_mode=True
+    )
+    assert result["changed"] and result["diff"]["after"].endswith(MOUNT0 + "\n")
+    assert path.read_text() == PLAIN
+
+
+def test_module_warns_about_cgroup_v1_keys(tmp_path, capsys):
+    conf_dir(tmp_path, PLAIN)
+    result = run_module(
+        pve_lxc_raw,
+        dict(vmid=129, lines=["lxc.cgroup.devices.allow: c 195:* rwm"], config_dir=str(tmp_path)),
+        capsys,
+    )
+    assert "use lxc.cgroup2.devices.allow" in str(result["warnings"])
+
+
+def test_module_fails_clearly_for_a_ct_that_is_not_on_this_node(tmp_path, capsys):
+    result = run_module(pve_lxc_raw, dict(vmid=130, lines=[ALLOW], config_dir=str(tmp_path)), capsys)
+    assert (
+        result["failed"]
+        and "130.conf not found" in result["msg"]
+        and "CT 130 does not exist on this node" in result["msg"]
+    )
+
+
+def test_module_refuses_a_bad_line_and_leaves_the_file(tmp_path, capsys):
+    path = conf_dir(tmp_path, PLAIN)
+    result = run_module(
+        pve_lxc_raw, dict(vmid=129, lines=[ALLOW, "dev0: /dev/nvidia0"], config_dir=str(tmp_path)), capsys
+    )
+    assert result["failed"] and "dev0: /dev/nvidia0" in result["msg"] and "pve_lxc" in result["msg"]
+    assert path.read_text() == PLAIN
