@@ -16,7 +16,7 @@ description:
   - A running container whose change stays pending (edited or removed devices, feature flags, ...) is
     restarted when I(restart=auto); with I(restart=never) the module reports C(restart_required=true).
   - Raw C(lxc.*) lines are not part of the API; see the C(pve_lxc_raw) module.
-  - Runs on the controller (C(delegate_to: localhost)) with the https backend, or on the PVE node with
+  - Runs on the controller (delegated to localhost) with the https backend, or on the PVE node with
     I(api_backend=local) (pvesh as root, which may set devN without a password).
 version_added: "0.1.0"
 author: eagle3-pve
@@ -68,7 +68,7 @@ options:
     type: list
     elements: str
   features:
-    description: Feature flags, for example C({nesting: true}).
+    description: Feature flags as a dict, for example C(nesting=true) (PVE's C(features) option).
     type: dict
   onboot:
     description: Start the container when the node boots.

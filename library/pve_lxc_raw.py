@@ -11,8 +11,8 @@ description:
     on the node that holds the container.
   - Lines go in the container's current config, before the first C([snapshot]) or C([pve:pending])
     section; snapshot sections are never changed.
-  - The file is rewritten in place (no temporary file and rename): C(/etc/pve) is pmxcfs, which refuses
-    renames into it.
+  - The file is rewritten in place, without a temporary file and rename, because C(/etc/pve) is pmxcfs,
+    which refuses renames into it.
   - Raw lines take effect at the next container start; the module reports C(changed) and leaves
     restarting to the caller (C(pve_lxc) with C(state=restarted)).
 version_added: "0.1.0"
@@ -24,7 +24,7 @@ options:
     required: true
   lines:
     description:
-      - Raw lines as C(lxc.KEY: VALUE), for example C(lxc.cgroup2.devices.allow: c 195:* rwm).
+      - 'Raw lines as C(lxc.KEY: VALUE), for example C(lxc.cgroup2.devices.allow: c 195:* rwm).'
     type: list
     elements: str
     required: true
@@ -76,7 +76,7 @@ path:
   type: str
   sample: /etc/pve/lxc/129.conf
 raw_lines:
-  description: The raw lines of the current config after the run, as C(key: value).
+  description: 'The raw lines of the current config after the run, as C(key: value).'
   returned: always
   type: list
   elements: str
