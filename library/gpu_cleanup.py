@@ -1,0 +1,397 @@
+#!/usr/bin/python
+"""Ansible module gpu_cleanup: stop a GPU job and verify that its GPUs are free."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpu_cleanup
+short_description: Stop a GPU training job, kill its leftovers and verify that the GPUs are released
+description:
+  - Stops the job's systemd I(unit) gracefully (when systemd runs and the unit exists), bounded by I(stop_timeout).
+  - Finds the job's processes by the unit's cgroup, by an inherited environment I(marker), by the I(devices)
+    they hold open or mapped (read from C(/proc/PID/fd) and C(/proc/PID/maps)), by explicit I(match_cmdline)
+    regexes, and as descendants of those.
+  - Sends SIGTERM, polls until they exit or I(term_timeout) passes, then SIGCONT and SIGKILL; re-scans for
+    respawned and late-forked processes until none is left or the total I(timeout) is spent.
+  - Removes stale job files matching I(sweep) that no live process references.
+  - Verifies that no process holds a matching device and, when NVML or nvidia-smi is available, that every
+    GPU's used memory is within I(gpu_memory_tolerance_mib). An unverifiable check is reported as
+    C(unverified), never as success.
+  - Never signals PID <= 1, itself, its ancestors, its process group, or a process named like a I(protect)
+    pattern. A process is identified by (pid, start time), so a reused PID is never signalled.
+  - GPU process lists from NVML are never used to choose processes (inside a container they hold host PIDs).
+version_added: "1.0.0"
+author: eagle3-pve
+options:
+  unit:
+    description: systemd unit of the job; stopped first, and members of its cgroup are targets.
+    type: str
+  stop_timeout:
+    description: Seconds to wait for C(systemctl stop) (the trainer saves a checkpoint on SIGTERM).
+    type: float
+    default: 120
+  marker:
+    description: Environment marker C(NAME=VALUE) that every process of the job inherits.
+    type: str
+  devices:
+    description: Globs of device paths; processes holding a match as an fd or memory map are targets.
+    type: list
+    elements: str
+    default: ["/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+  match_cmdline:
+    description: Extra, explicit opt-in regexes searched in the command line. Never a default.
+    type: list
+    elements: str
+    default: []
+  protect:
+    description: Process name globs that are never signalled (compared with comm and argv[0]).
+    type: list
+    elements: str
+    default: ["nvidia-persistenced", "nv-hostengine", "dcgm*", "sshd", "systemd*"]
+  term_timeout:
+    description: Seconds between SIGTERM and SIGKILL.
+    type: float
+    default: 30
+  kill_timeout:
+    description: Seconds to wait for processes to disappear after SIGKILL, per round.
+    type: float
+    default: 10
+  timeout:
+    description:
+      - Total budget in seconds for the whole run.
+      - Default I(stop_timeout) + I(term_timeout) + 4 * I(kill_timeout).
+    type: float
+  sweep:
+    description: Globs of stale job files and directories, removed only when no live process references them.
+    type: list
+    elements: str
+    default: ["/dev/shm/nccl-*", "/dev/shm/torch_*", "/tmp/torchelastic_*"]
+  gpu_memory_tolerance_mib:
+    description: A GPU counts as released when its used memory is at most this many MiB.
+    type: int
+    default: 1024
+notes:
+  - Supports check mode, which lists the targets and the files it would remove and touches nothing.
+  - Linux only; reads /proc itself (psmisc and psutil are not needed).
+"""
+
+EXAMPLES = r"""
+- name: Stop the training job and release the GPUs
+  gpu_cleanup:
+    unit: eagle3-train.service
+    marker: EAGLE3_JOB=eagle3-train
+    term_timeout: 30
+  register: cleanup
+
+- name: Only show what would be stopped
+  gpu_cleanup:
+    marker: EAGLE3_JOB=eagle3-train
+  check_mode: true
+"""
+
+RETURN = r"""
+targets:
+  description: Processes selected, with why (C(unit:), C(marker:), C(device:), C(cmdline:), C(descendant-of:)).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"pid": 4242, "ppid": 1, "name": "pt_data_worker", "cmdline": "python3 -m eagle3 train",
+            "reasons": ["marker:EAGLE3_JOB=eagle3-train", "device:/dev/nvidia0"], "start_time": 981234}]
+protected:
+  description: Processes that matched a selector but are never signalled, with the reason.
+  returned: always
+  type: list
+  elements: dict
+terminated:
+  description: PIDs that exited after SIGTERM.
+  returned: always
+  type: list
+  elements: int
+killed:
+  description: PIDs that needed SIGKILL.
+  returned: always
+  type: list
+  elements: int
+unkillable:
+  description: Processes still running after SIGKILL ({pid, name, state, wchan}); the task fails when not empty.
+  returned: always
+  type: list
+  elements: dict
+zombies:
+  description: Targets that exited but wait for their parent to reap them ({pid, ppid, name}); they hold no files.
+  returned: always
+  type: list
+  elements: dict
+holders_after:
+  description: Processes still holding a matching device at the end ({pid, name, paths, cmdline}); [] on success.
+  returned: always
+  type: list
+  elements: dict
+removed:
+  description: Swept paths that were removed (would be removed in check mode).
+  returned: always
+  type: list
+  elements: str
+sweep_in_use:
+  description: Paths matching I(sweep) that were kept because a live process references them.
+  returned: always
+  type: list
+  elements: str
+unit:
+  description: The unit step ({name, state, stopped, message}); state C(no-systemd) or C(not-found) when skipped.
+  returned: always
+  type: dict
+gpu_memory:
+  description:
+    - Used memory per GPU before and after ([{index, used_mib}], null when not measurable), the tolerance,
+      the source, and C(status) ok, failed or unverified with a message.
+  returned: always
+  type: dict
+elapsed:
+  description: Seconds the run took.
+  returned: always
+  type: float
+"""
+
+import os
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils import nvml, procs
+
+D_STATE_HINT = (
+    "state D means the process waits inside the kernel (often the NVIDIA driver after an Xid error): "
+    "no signal from inside the container helps; check dmesg on the Proxmox node, then reset the GPU "
+    "(nvidia-smi -r) or reboot the node"
+)
+
+
+def argument_spec() -> dict:
+    return {
+        "unit": {"type": "str"},
+        "stop_timeout": {"type": "float", "default": 120},
+        "marker": {"type": "str"},
+        "devices": {
+            "type": "list",
+            "elements": "str",
+            "default": ["/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"],
+        },
+        "match_cmdline": {"type": "list", "elements": "str", "default": []},
+        "protect": {
+            "type": "list",
+            "elements": "str",
+            "default": ["nvidia-persistenced", "nv-hostengine", "dcgm*", "sshd", "systemd*"],
+        },
+        "term_timeout": {"type": "float", "default": 30},
+        "kill_timeout": {"type": "float", "default": 10},
+        "timeout": {"type": "float"},
+        "sweep": {
+            "type": "list",
+            "elements": "str",
+            "default": ["/dev/shm/nccl-*", "/dev/shm/torch_*", "/tmp/torchelastic_*"],
+        },
+        "gpu_memory_tolerance_mib": {"type": "int", "default": 1024},
+    }
+
+
+def validate(p: dict) -> tuple[procs.Selectors, procs.Budget]:
+    """Turn options into selectors and a budget; ValueError (naming the value) before anything is touched."""
+    procs.check_timeouts({k: p[k] for k in ("stop_timeout", "term_timeout", "kill_timeout", "timeout")})
+    if p["marker"] is not None:
+        procs.parse_marker(p["marker"])
+    if p["gpu_memory_tolerance_mib"] < 0:
+        raise ValueError(
+            f"gpu_memory_tolerance_mib={p['gpu_memory_tolerance_mib']} must be >= 0 (for example 1024)"
+        )
+    for glob in p["devices"] + p["sweep"]:
+        if not glob.startswith("/"):
+            raise ValueError(f"path glob {glob!r} must be absolute (for example /dev/nvidia[0-9]*)")
+    if p["unit"] is not None and not p["unit"].strip():
+        raise ValueError("unit='' is empty; give a unit name such as eagle3-train.service or leave it out")
+    selectors = procs.Selectors(
+        unit=p["unit"],
+        marker=p["marker"],
+        devices=p["devices"],
+        match_cmdline=procs.compile_patterns(p["match_cmdline"]),
+        protect=p["protect"],
+    )
+    total = p["timeout"] or p["stop_timeout"] + p["term_timeout"] + 4 * p["kill_timeout"]
+    return selectors, procs.Budget(
+        term=p["term_timeout"], kill=p["kill_timeout"], stop=p["stop_timeout"], total=total
+    )
+
+
+def measure(timeout: float) -> tuple[list[dict] | None, dict]:
+    query = nvml.query_gpus(timeout=timeout)
+    return nvml.memory_used(query), query
+
+
+def verify_memory(before_query: dict, tolerance: int, deadline: float, call_timeout: float) -> dict:
+    """Poll GPU memory until every GPU is within ``tolerance`` MiB or ``deadline`` passes.
+
+    The driver frees a context's memory shortly after the process is gone, so one reading is not enough.
+    """
+    status = {"source": before_query["source"], "tolerance_mib": tolerance, "after": None}
+    if before_query["source"] is None:
+        return dict(status, status="unverified", message="no NVML and no nvidia-smi on this host")
+    if before_query["error"] and "did not answer" in before_query["error"]:
+        return dict(status, status="unverified", message=before_query["error"])
+    interval = 0.2
+    while True:
+        after, query = measure(min(call_timeout, max(deadline - time.monotonic(), 0.5)))
+        status["after"] = after
+        if after is None:
+            reason = query["error"] or "no GPU reported"
+            return dict(status, status="unverified", message=reason)
+        over = nvml.over_tolerance(after, tolerance)
+        if not over:
+            return dict(status, status="ok", message=f"every GPU at or below {tolerance} MiB used")
+        if time.monotonic() + interval >= deadline:
+            listed = ", ".join(f"GPU {g['index']}: {g['used_mib']} MiB" for g in over)
+            return dict(
+                status,
+                status="failed",
+                message=(
+                    f"GPU memory still in use after cleanup ({listed}; tolerance {tolerance} MiB) although no "
+                    "process here holds a GPU device: a process outside this container, or a context the "
+                    "driver has not freed (zombie with pinned memory); check nvidia-smi on the Proxmox node"
+                ),
+            )
+        time.sleep(interval)
+        interval = min(interval * 1.5, 1.0)
+
+
+def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, str | None]:
+    """The whole cleanup; returns (result, failure message or None)."""
+    started = time.monotonic()
+    selectors, budget = validate(p)
+    deadline = started + budget.total
+    # nvidia-smi can hang: each call gets a tenth of the budget, between 1 and 10 s.
+    call_timeout = min(10.0, max(1.0, budget.total / 10))
+    before, before_query = measure(call_timeout)
+
+    if selectors.unit and not check_mode:
+        stop_bound = min(budget.stop, max(deadline - time.monotonic() - budget.kill, 1.0))
+        unit = procs.stop_unit(selectors.unit, stop_bound)
+    elif selectors.unit:
+        unit = procs.unit_state(selectors.unit)
+    else:
+        unit = {"state": "none", "stopped": False, "message": "no unit given"}
+    unit["name"] = selectors.unit
+
+    remaining = max(deadline - time.monotonic(), 0.1)
+    outcome = procs.terminate(
+        selectors,
+        procs.Budget(term=budget.term, kill=budget.kill, stop=budget.stop, total=remaining),
+        check_mode=check_mode,
+        self_pid=self_pid,
+    )
+
+    held = procs.referenced_paths(procs.scan())
+    unreferenced, in_use = procs.sweep_candidates(p["sweep"], held)
+    removed, sweep_errors = [], []
+    for path in unreferenced:
+        error = None if check_mode else procs.remove_path(path)
+        (sweep_errors if error else removed).append(error or path)
+
+    holders_after = (
+        [] if check_mode else procs.holders(selectors.devices, protect=selectors.protect, self_pid=self_pid)
+    )
+    if check_mode:
+        gpu = {
+            "source": before_query["source"],
+            "tolerance_mib": p["gpu_memory_tolerance_mib"],
+            "after": None,
+        }
+        gpu.update(status="unverified", message="check mode: nothing was stopped")
+    else:
+        gpu = verify_memory(
+            before_query,
+            p["gpu_memory_tolerance_mib"],
+            max(deadline, time.monotonic() + budget.kill) if outcome["targets"] else time.monotonic() + 1.0,
+            call_timeout,
+        )
+    gpu["before"] = before
+
+    signalled = bool(outcome["targets"]) and not check_mode
+    would = bool(outcome["targets"] or unreferenced or unit.get("state") in procs.ACTIVE_STATES)
+    result = {
+        "changed": would if check_mode else bool(unit["stopped"] or signalled or removed),
+        **outcome,
+        "holders_after": holders_after,
+        "removed": removed,
+        "sweep_in_use": in_use,
+        "sweep_errors": sweep_errors,
+        "unit": unit,
+        "gpu_memory": gpu,
+        "elapsed": round(time.monotonic() - started, 3),
+    }
+    result["msg"] = summary(result, check_mode)
+    return result, failure(result)
+
+
+def summary(r: dict, check_mode: bool) -> str:
+    """One readable line: what happened, counts first."""
+    if check_mode:
+        return (
+            f"check mode: would signal {len(r['targets'])} process(es) and remove {len(r['removed'])} file(s); "
+            f"unit {r['unit']['name'] or '-'}: {r['unit']['state']}"
+        )
+    g = r["gpu_memory"]
+    mem = ""
+    if g["before"] is not None or g["after"] is not None:
+
+        def total(rows):
+            return f"{sum(x['used_mib'] or 0 for x in rows):.0f}" if rows is not None else "?"
+
+        mem = f", GPU memory {total(g['before'])} -> {total(g['after'])} MiB"
+    return (
+        f"unit {r['unit']['name'] or '-'}: {'stopped' if r['unit']['stopped'] else r['unit']['state']}; "
+        f"{len(r['targets'])} target(s): {len(r['terminated'])} terminated, {len(r['killed'])} killed, "
+        f"{len(r['unkillable'])} survived; {len(r['removed'])} file(s) swept; "
+        f"verification: devices {'busy' if r['holders_after'] else 'free'}, GPU memory {g['status']}{mem}; "
+        f"{r['elapsed']:.2f} s"
+    )
+
+
+def failure(r: dict) -> str | None:
+    """The failure message, or None when the GPUs are verified free (or unverifiable but free of holders)."""
+    problems = []
+    if r["unkillable"]:
+        listed = "; ".join(
+            f"pid={u['pid']} name={u['name']} state={u['state']} wchan={u['wchan'] or '-'}"
+            for u in r["unkillable"]
+        )
+        hint = (
+            D_STATE_HINT
+            if any(u["state"] in procs.UNINTERRUPTIBLE_STATES for u in r["unkillable"])
+            else ("they ignored SIGKILL within the budget; raise timeout/kill_timeout or inspect them")
+        )
+        problems.append(f"{len(r['unkillable'])} process(es) survived SIGKILL: {listed} ({hint})")
+    if r["holders_after"]:
+        listed = "; ".join(
+            f"pid={h['pid']} name={h['name']} paths={','.join(h['paths'])}" for h in r["holders_after"]
+        )
+        problems.append(
+            f"GPU devices still held: {listed} (not selected or started during the run; add them with "
+            "marker/match_cmdline, or add their names to protect if they are meant to stay)"
+        )
+    if r["gpu_memory"]["status"] == "failed":
+        problems.append(r["gpu_memory"]["message"])
+    return " | ".join(problems) or None
+
+
+def main() -> None:
+    module = AnsibleModule(argument_spec=argument_spec(), supports_check_mode=True)
+    try:
+        validate(module.params)  # bad input fails here, before any signal
+    except ValueError as e:
+        module.fail_json(msg=str(e))
+    result, failed = run(module.params, module.check_mode, self_pid=os.getpid())
+    if failed:
+        module.fail_json(msg=f"{failed}. Summary: {result.pop('msg')}", **result)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,813 @@
+#!/usr/bin/env python3
+"""Find and stop the processes of a GPU job by reading /proc directly (standard library only).
+
+Used by the ``gpu_cleanup`` Ansible module on the target and, unchanged, as a pre-start guard for the
+training unit.  Why /proc and not ``ps``/``fuser``/psutil: psmisc may be missing from CT templates,
+``psutil.open_files()`` never lists character devices, and the target must run with the standard library.
+
+Process identity is ``(pid, start_time)`` (field 22 of /proc/PID/stat, clock ticks since boot): a PID
+that was reused by another process after our scan is never signalled.
+
+Pre-start guard CLI (stable; the training role deploys this file and runs it as ExecStartPre)::
+
+    python3 procs.py holders --devices GLOB [GLOB ...] [--exclude-cgroup-of-unit UNIT] [--protect NAME ...]
+
+Exit status: 0 when no process outside UNIT's cgroup (and not named like a ``--protect`` pattern, and not
+this guard or its ancestors) holds a path matching a GLOB open as a file descriptor or memory map;
+1 when some do (one line per holder on stdout: ``pid=N name=COMM paths=P1,P2 cmdline=...``);
+2 on a usage error.  Example::
+
+    $ python3 procs.py holders --devices '/dev/nvidia[0-9]*' /dev/nvidiactl \\
+          --exclude-cgroup-of-unit eagle3-train.service --protect nvidia-persistenced
+    pid=4242 name=pt_data_worker paths=/dev/nvidia0 cmdline=python3 -m eagle3 train
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fnmatch
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+PROC = "/proc"
+# comm (the kernel's process name) is cut to TASK_COMM_LEN - 1 characters.
+COMM_LEN = 15
+# States that no longer run user code: zombie (exited, not reaped), dead.
+EXITED_STATES = ("Z", "X", "x")
+# Uninterruptible sleep: SIGKILL is queued but only acts when the kernel call returns.
+UNINTERRUPTIBLE_STATES = ("D",)
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process as seen in one scan of /proc."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    name: str
+    state: str
+    start_time: int
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        return (self.pid, self.start_time)
+
+
+# --------------------------------------------------------------------------- reading /proc
+
+
+def parse_stat(text: str) -> Proc:
+    """Parse the content of /proc/PID/stat.
+
+    The name sits in parentheses and may itself contain spaces and ')', so split at the last ')'.
+
+    >>> p = parse_stat("42 (pt worker) S 7 42 42 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 98765 0 0")
+    >>> (p.pid, p.name, p.state, p.ppid, p.pgid, p.sid, p.start_time)
+    (42, 'pt worker', 'S', 7, 42, 42, 98765)
+    """
+    head, _, tail = text.rpartition(")")
+    pid_text, _, name = head.partition(" (")
+    fields = tail.split()
+    # fields[0] is field 3 (state); field N of proc(5) is fields[N - 3].
+    return Proc(
+        pid=int(pid_text),
+        ppid=int(fields[1]),
+        pgid=int(fields[2]),
+        sid=int(fields[3]),
+        name=name,
+        state=fields[0],
+        start_time=int(fields[19]),
+    )
+
+
+def read_proc(pid: int, proc: str = PROC) -> Proc | None:
+    """The process now at ``pid``, or None when there is none."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            return parse_stat(f.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def list_pids(proc: str = PROC) -> list[int]:
+    return sorted(int(d) for d in os.listdir(proc) if d.isdigit())
+
+
+def scan(proc: str = PROC) -> dict[int, Proc]:
+    """All processes now visible, by pid (processes that exit during the scan are skipped)."""
+    found = {}
+    for pid in list_pids(proc):
+        p = read_proc(pid, proc)
+        if p is not None:
+            found[pid] = p
+    return found
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def read_cmdline(pid: int, proc: str = PROC) -> list[str]:
+    """argv of ``pid`` ([] for kernel threads, zombies and vanished processes)."""
+    raw = _read_bytes(f"{proc}/{pid}/cmdline")
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a] if raw else []
+
+
+def read_environ(pid: int, proc: str = PROC) -> list[str]:
+    """The environment ``pid`` was started with, as NAME=VALUE strings (later setenv calls do not show)."""
+    raw = _read_bytes(f"{proc}/{pid}/environ")
+    return [e.decode(errors="replace") for e in raw.split(b"\0") if e]
+
+
+def read_wchan(pid: int, proc: str = PROC) -> str:
+    """Kernel function a sleeping process waits in ('' when unknown or running)."""
+    w = _read_bytes(f"{proc}/{pid}/wchan").decode(errors="replace").strip()
+    return "" if w == "0" else w
+
+
+def read_cgroup(pid: int, proc: str = PROC) -> str:
+    return _read_bytes(f"{proc}/{pid}/cgroup").decode(errors="replace")
+
+
+def parse_marker(marker: str) -> tuple[str, str]:
+    """Split an environment marker ``NAME=VALUE``; raise ValueError with a fix for anything else.
+
+    >>> parse_marker("EAGLE3_JOB=eagle3-train")
+    ('EAGLE3_JOB', 'eagle3-train')
+    >>> parse_marker("EAGLE3_JOB")
+    Traceback (most recent call last):
+    ...
+    ValueError: marker 'EAGLE3_JOB' is not NAME=VALUE (for example EAGLE3_JOB=eagle3-train)
+    """
+    name, sep, value = marker.partition("=")
+    if not sep or not value or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"marker {marker!r} is not NAME=VALUE (for example EAGLE3_JOB=eagle3-train)")
+    return name, value
+
+
+def in_unit_cgroup(cgroup_text: str, unit: str) -> bool:
+    """Whether a /proc/PID/cgroup content places the process in ``unit`` (or a cgroup below it).
+
+    Only systemd's own hierarchies count: the cgroup v2 line (``0::``) and the v1 ``name=systemd`` one.
+
+    >>> in_unit_cgroup("0::/system.slice/eagle3-train.service\\n", "eagle3-train.service")
+    True
+    >>> in_unit_cgroup("1:name=systemd:/system.slice/eagle3-train.service/payload\\n0::/\\n", "eagle3-train.service")
+    True
+    >>> in_unit_cgroup("4:memory:/system.slice/eagle3-train.service\\n0::/user.slice\\n", "eagle3-train.service")
+    False
+    """
+    for line in cgroup_text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        systemd_hierarchy = hierarchy == "0" or "name=systemd" in controllers.split(",")
+        if systemd_hierarchy and unit in path.split("/"):
+            return True
+    return False
+
+
+def parse_maps_paths(text: str) -> set[str]:
+    """Paths mapped in a /proc/PID/maps content (anonymous and pseudo mappings left out).
+
+    >>> sorted(parse_maps_paths(
+    ...     "7f00-7f10 rw-s 00000000 00:05 12 /dev/nvidia0\\n"
+    ...     "7f10-7f20 rw-p 00000000 00:00 0 \\n"
+    ...     "7f20-7f30 rw-s 00000000 00:05 13 /dev/shm/nccl-x (deleted)\\n"
+    ...     "7ffc-7ffd rw-p 00000000 00:00 0 [stack]\\n"))
+    ['/dev/nvidia0', '/dev/shm/nccl-x']
+    """
+    paths = set()
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            path = parts[5]
+            if path.endswith(" (deleted)"):
+                path = path[: -len(" (deleted)")]
+            paths.add(path)
+    return paths
+
+
+def fd_paths(pid: int, proc: str = PROC) -> set[str]:
+    """Targets of the open file descriptors of ``pid`` that are filesystem paths."""
+    paths = set()
+    fd_dir = f"{proc}/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return paths
+    for fd in fds:
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/"):
+            paths.add(target[: -len(" (deleted)")] if target.endswith(" (deleted)") else target)
+    return paths
+
+
+def open_paths(pid: int, proc: str = PROC) -> set[str]:
+    """Every path ``pid`` holds: open fds, memory maps and its working directory.
+
+    DataLoader workers forked after CUDA init inherit the device fds; a mapping alone also pins a device.
+    """
+    paths = fd_paths(pid, proc) | parse_maps_paths(_read_bytes(f"{proc}/{pid}/maps").decode(errors="replace"))
+    try:
+        paths.add(os.readlink(f"{proc}/{pid}/cwd"))
+    except OSError:
+        pass
+    return paths
+
+
+def match_globs(paths: set[str], globs: list[str]) -> list[str]:
+    """Sorted paths that match any glob (``*`` also crosses ``/``, as in fnmatch).
+
+    >>> match_globs({"/dev/nvidia0", "/dev/nvidia-uvm", "/dev/null"}, ["/dev/nvidia[0-9]*", "/dev/nvidia-uvm"])
+    ['/dev/nvidia-uvm', '/dev/nvidia0']
+    """
+    return sorted(p for p in paths if any(fnmatch.fnmatchcase(p, g) for g in globs))
+
+
+def device_paths(pid: int, globs: list[str], proc: str = PROC) -> list[str]:
+    """Paths matching ``globs`` that ``pid`` holds as an fd or a memory map (not as its cwd)."""
+    if not globs:
+        return []
+    held = fd_paths(pid, proc) | parse_maps_paths(_read_bytes(f"{proc}/{pid}/maps").decode(errors="replace"))
+    return match_globs(held, globs)
+
+
+def name_matches(name: str, argv0: str, patterns: list[str]) -> bool:
+    """Whether a process named ``name`` (its comm) or started as ``argv0`` matches a protect pattern.
+
+    comm is cut to 15 characters, so a full-length name is also compared against the cut pattern.
+
+    >>> name_matches("nvidia-persiste", "", ["nvidia-persistenced"])
+    True
+    >>> name_matches("systemd-journal", "/lib/systemd/systemd-journald", ["systemd*"])
+    True
+    >>> name_matches("python3", "/usr/bin/python3", ["sshd", "dcgm*"])
+    False
+    """
+    candidates = [name, os.path.basename(argv0)] if argv0 else [name]
+    for pattern in patterns:
+        if any(fnmatch.fnmatchcase(c, pattern) for c in candidates if c):
+            return True
+        if len(name) == COMM_LEN and fnmatch.fnmatchcase(name, pattern[:COMM_LEN] + "*"):
+            return True
+    return False
+
+
+def descendants(roots: set[int], procs: dict[int, Proc]) -> set[int]:
+    """PIDs below ``roots`` in the parent tree (roots excluded).
+
+    >>> tree = {p: Proc(p, pp, p, p, "x", "S", 0) for p, pp in [(10, 1), (11, 10), (12, 11), (20, 1)]}
+    >>> sorted(descendants({10}, tree))
+    [11, 12]
+    """
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found and child not in roots:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def ancestors(pid: int, procs: dict[int, Proc]) -> list[int]:
+    """The parent chain of ``pid`` up to PID 1 (or the top of this PID namespace).
+
+    >>> tree = {p: Proc(p, pp, p, p, "x", "S", 0) for p, pp in [(1, 0), (10, 1), (11, 10)]}
+    >>> ancestors(11, tree)
+    [10, 1]
+    """
+    chain = []
+    seen = {pid}
+    p = procs.get(pid) or read_proc(pid)
+    while p is not None and p.ppid > 0 and p.ppid not in seen:
+        chain.append(p.ppid)
+        seen.add(p.ppid)
+        p = procs.get(p.ppid) or read_proc(p.ppid)
+    return chain
+
+
+def untouchable(procs: dict[int, Proc], self_pid: int | None = None) -> dict[int, str]:
+    """PIDs that are never signalled whatever the options, with the reason.
+
+    PID <= 1, this process, its ancestors (ansible, the connection, the shell) and its process group.
+    """
+    self_pid = os.getpid() if self_pid is None else self_pid
+    me = procs.get(self_pid) or read_proc(self_pid)
+    pgid = me.pgid if me else os.getpgid(self_pid)
+    never = {pid: "pid <= 1" for pid in procs if pid <= 1}
+    for pid in (p.pid for p in procs.values() if p.pgid == pgid):
+        never[pid] = "in this module's process group"
+    for pid in ancestors(self_pid, procs):
+        never[pid] = "ancestor of this module"
+    never[self_pid] = "this module"
+    return never
+
+
+def is_kernel_thread(p: Proc) -> bool:
+    # kthreadd is PID 2 in the root namespace; kernel threads have it as parent and no argv.
+    return p.pid == 2 or p.ppid == 2
+
+
+# --------------------------------------------------------------------------- selecting targets
+
+
+@dataclass
+class Selectors:
+    """What makes a process part of the job.  ``devices`` are globs; ``match_cmdline`` compiled regexes."""
+
+    unit: str | None = None
+    marker: str | None = None
+    devices: list[str] = field(default_factory=list)
+    match_cmdline: list[re.Pattern] = field(default_factory=list)
+    protect: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Target:
+    proc: Proc
+    cmdline: list[str]
+    reasons: list[str]
+
+    def as_dict(self) -> dict:
+        return {
+            "pid": self.proc.pid,
+            "ppid": self.proc.ppid,
+            "name": self.proc.name,
+            "cmdline": " ".join(self.cmdline),
+            "reasons": self.reasons,
+            "start_time": self.proc.start_time,
+        }
+
+
+def select_targets(
+    sel: Selectors, procs: dict[int, Proc] | None = None, self_pid: int | None = None, proc: str = PROC
+) -> tuple[list[Target], list[dict], list[dict]]:
+    """Processes of the job, and those that matched but are protected (never signalled).
+
+    Returns (targets, protected, zombies): protected is [{pid, name, reasons, why}]; zombies are exited
+    descendants of the job ([{pid, ppid, name}]), not targets: no signal reaches them, their parent reaps.
+    """
+    procs = scan(proc) if procs is None else procs
+    never = untouchable(procs, self_pid)
+    marker = None
+    if sel.marker:
+        name, value = parse_marker(sel.marker)
+        marker = f"{name}={value}"
+    reasons: dict[int, list[str]] = {}
+    for p in procs.values():
+        if is_kernel_thread(p) or p.state in EXITED_STATES:
+            continue
+        why = []
+        if sel.unit and in_unit_cgroup(read_cgroup(p.pid, proc), sel.unit):
+            why.append(f"unit:{sel.unit}")
+        if marker and marker in read_environ(p.pid, proc):
+            why.append(f"marker:{marker}")
+        why.extend(f"device:{path}" for path in device_paths(p.pid, sel.devices, proc))
+        if sel.match_cmdline:
+            line = " ".join(read_cmdline(p.pid, proc))
+            why.extend(f"cmdline:{rx.pattern}" for rx in sel.match_cmdline if rx.search(line))
+        if why:
+            reasons[p.pid] = why
+    # Only processes we may signal pass the job on to their children: the children of a protected
+    # sshd or of this module's own ancestors are not part of the job.
+    roots = {
+        pid
+        for pid in reasons
+        if pid not in never and not name_matches(procs[pid].name, _argv0(pid, proc), sel.protect)
+    }
+    zombies = []
+    for pid in descendants(roots, procs):
+        p = procs[pid]
+        if p.state in EXITED_STATES:
+            zombies.append({"pid": pid, "ppid": p.ppid, "name": p.name})
+        elif not is_kernel_thread(p):
+            # Recorded even when the process matched on its own: it tells which tree it belongs to.
+            reasons.setdefault(pid, []).append(f"descendant-of:{_root_of(pid, roots, procs)}")
+    targets, protected = [], []
+    for pid in sorted(reasons):
+        p = procs[pid]
+        cmdline = read_cmdline(pid, proc)
+        if pid in never:
+            protected.append({"pid": pid, "name": p.name, "reasons": reasons[pid], "why": never[pid]})
+        elif name_matches(p.name, cmdline[0] if cmdline else "", sel.protect):
+            protected.append({"pid": pid, "name": p.name, "reasons": reasons[pid], "why": "protected name"})
+        else:
+            targets.append(Target(p, cmdline, reasons[pid]))
+    return targets, protected, zombies
+
+
+def _argv0(pid: int, proc: str = PROC) -> str:
+    argv = read_cmdline(pid, proc)
+    return argv[0] if argv else ""
+
+
+def _root_of(pid: int, roots: set[int], procs: dict[int, Proc]) -> int:
+    """Nearest ancestor of ``pid`` that matched a selector directly."""
+    p = procs.get(pid)
+    while p is not None and p.ppid in procs:
+        if p.ppid in roots:
+            return p.ppid
+        p = procs[p.ppid]
+    return -1
+
+
+# --------------------------------------------------------------------------- signalling by identity
+
+
+def current(identity: tuple[int, int], proc: str = PROC) -> Proc | None:
+    """The process with this identity if it still exists (zombies included), else None."""
+    p = read_proc(identity[0], proc)
+    return p if p is not None and p.start_time == identity[1] else None
+
+
+def is_running(identity: tuple[int, int], proc: str = PROC) -> bool:
+    """Still there and not exited (a zombie has exited: it only waits for its parent)."""
+    p = current(identity, proc)
+    return p is not None and p.state not in EXITED_STATES
+
+
+def send_signal(identity: tuple[int, int], sig: int, proc: str = PROC) -> str:
+    """Signal exactly the process ``identity`` names.  Returns 'sent', 'gone' or 'reused'.
+
+    With a pidfd (Linux >= 5.3) the race is closed: the fd pins the process we checked.  Without one,
+    the start time is re-read right before kill(), which leaves a window of microseconds.
+    """
+    pid, start = identity
+    if pid <= 1:
+        raise ValueError(f"refusing to signal pid {pid}")
+    pidfd = None
+    if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return "gone"
+        except OSError:
+            pidfd = None  # ENOSYS (old kernel) or seccomp: fall back to the start-time check
+    try:
+        p = read_proc(pid, proc)
+        if p is None:
+            return "gone"
+        if p.start_time != start:
+            return "reused"
+        try:
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            return "gone"
+        return "sent"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def wait_exited(
+    identities: list[tuple[int, int]], deadline: float, proc: str = PROC
+) -> list[tuple[int, int]]:
+    """Poll (not sleep) until every identity has exited or ``deadline`` (time.monotonic) passes.
+
+    Returns the identities still running.  The poll interval grows from 10 ms to 200 ms.
+    """
+    pending = [i for i in identities if is_running(i, proc)]
+    interval = 0.01
+    while pending and time.monotonic() < deadline:
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        interval = min(interval * 1.5, 0.2)
+        pending = [i for i in pending if is_running(i, proc)]
+    return pending
+
+
+# --------------------------------------------------------------------------- systemd unit
+
+
+def systemd_booted(run_dir: str = "/run/systemd/system") -> bool:
+    """sd_booted(3): systemd is PID 1 of this (container's) namespace."""
+    return os.path.isdir(run_dir)
+
+
+def unit_properties(unit: str, systemctl: str = "systemctl", timeout: float = 10.0) -> dict[str, str]:
+    """``LoadState`` and ``ActiveState`` of ``unit`` ({} when systemctl fails or hangs)."""
+    try:
+        out = subprocess.run(
+            [systemctl, "show", "--property=LoadState,ActiveState", unit],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+ACTIVE_STATES = ("active", "activating", "deactivating", "reloading", "refreshing")
+
+
+def unit_state(
+    unit: str, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system", timeout: float = 10.0
+) -> dict:
+    """{state, stopped: False, message} of ``unit`` without changing it (check mode)."""
+    if not systemd_booted(run_dir) or shutil.which(systemctl) is None:
+        return {"state": "no-systemd", "stopped": False, "message": "systemd is not running here"}
+    props = unit_properties(unit, systemctl, timeout)
+    if props.get("LoadState") in (None, "not-found"):
+        return {"state": "not-found", "stopped": False, "message": f"unit {unit} is not installed"}
+    state = props.get("ActiveState", "unknown")
+    return {"state": state, "stopped": False, "message": f"unit {unit} is {state}"}
+
+
+def stop_unit(
+    unit: str, timeout: float, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system"
+) -> dict:
+    """Stop ``unit`` through systemd, waiting at most ``timeout`` s (its ExecStop/KillMode do the graceful part).
+
+    Returns {state, stopped, message}: state is the ActiveState seen before ('no-systemd', 'not-found'
+    when there is nothing to stop).  A stop that overruns ``timeout`` is left to systemd and reported;
+    the caller's TERM/KILL of the unit's cgroup members takes over.
+    """
+    seen = unit_state(unit, systemctl, run_dir, min(timeout, 10.0))
+    state = seen["state"]
+    if state not in ACTIVE_STATES and state != "unknown":
+        return seen
+    try:
+        run = subprocess.run(
+            [systemctl, "stop", unit], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {
+            "state": state,
+            "stopped": False,
+            "message": f"systemctl stop {unit} did not finish within {timeout:g} s; signalling its processes",
+        }
+    if run.returncode != 0:
+        return {
+            "state": state,
+            "stopped": False,
+            "message": f"systemctl stop {unit} failed (rc={run.returncode}): {run.stderr.strip()}",
+        }
+    return {"state": state, "stopped": True, "message": f"stopped {unit} (was {state})"}
+
+
+# --------------------------------------------------------------------------- sweeping stale job files
+
+
+def referenced_paths(procs: dict[int, Proc], proc: str = PROC) -> set[str]:
+    """Every path any live process holds (fd, map or cwd)."""
+    held: set[str] = set()
+    for p in procs.values():
+        if p.state not in EXITED_STATES:
+            held |= open_paths(p.pid, proc)
+    return held
+
+
+def sweep_candidates(globs: list[str], held: set[str]) -> tuple[list[str], list[str]]:
+    """Split existing paths matching ``globs`` into (unreferenced, in_use).
+
+    A directory is in use when a held path lies below it: removing a still-mapped NCCL segment
+    crashes its user, so only unreferenced files go.
+    """
+    import glob as globmod
+
+    free, busy = [], []
+    for path in sorted({p for g in globs for p in globmod.glob(g)}):
+        prefix = path.rstrip("/") + "/"
+        if path in held or any(h.startswith(prefix) for h in held):
+            busy.append(path)
+        else:
+            free.append(path)
+    return free, busy
+
+
+def remove_path(path: str) -> str | None:
+    """Remove a file or a directory tree; None on success, else the error text."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    return None
+
+
+# --------------------------------------------------------------------------- the cleanup
+
+
+@dataclass
+class Budget:
+    """Timeouts in seconds; ``total`` bounds the whole run (stop, signals, re-scans)."""
+
+    term: float = 30.0
+    kill: float = 10.0
+    stop: float = 120.0
+    total: float = 300.0
+
+
+def check_timeouts(values: dict[str, float | None]) -> None:
+    """Raise ValueError naming the first timeout that is not a positive number of seconds.
+
+    >>> check_timeouts({"term_timeout": 30, "kill_timeout": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: kill_timeout=0 must be a positive number of seconds (for example 10)
+    """
+    examples = {"term_timeout": 30, "kill_timeout": 10, "stop_timeout": 120, "timeout": 300}
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise ValueError(
+                f"{name}={value:g} must be a positive number of seconds (for example {examples.get(name, 30)})"
+            )
+
+
+def compile_patterns(patterns: list[str]) -> list[re.Pattern]:
+    """Compile ``match_cmdline`` regexes; ValueError names the bad one.
+
+    >>> compile_patterns(["eagle3 train("])
+    Traceback (most recent call last):
+    ...
+    ValueError: match_cmdline regex 'eagle3 train(' is invalid: missing ), unterminated subpattern at position 12
+    """
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as e:
+            raise ValueError(f"match_cmdline regex {pattern!r} is invalid: {e}") from None
+    return compiled
+
+
+def describe(identity: tuple[int, int], proc: str = PROC) -> dict:
+    """{pid, name, state, wchan} of a survivor, for the failure report."""
+    p = current(identity, proc)
+    return {
+        "pid": identity[0],
+        "name": p.name if p else "",
+        "state": p.state if p else "gone",
+        "wchan": read_wchan(identity[0], proc) if p else "",
+    }
+
+
+def terminate(
+    sel: Selectors, budget: Budget, check_mode: bool = False, self_pid: int | None = None, proc: str = PROC
+) -> dict:
+    """Scan -> TERM -> poll until exited or term timeout -> SIGCONT+KILL -> re-scan until empty or budget spent.
+
+    Returns {targets, protected, terminated, killed, unkillable, zombies, rounds}.  In check mode it
+    only scans.  Re-scans catch workers that a live agent respawned and children forked during the
+    TERM handling; those already had the job's grace period, so they get KILL directly.
+    """
+    start = time.monotonic()
+    deadline = start + budget.total
+    targets, protected, zombies = select_targets(sel, self_pid=self_pid, proc=proc)
+    result = {
+        "targets": [t.as_dict() for t in targets],
+        "protected": protected,
+        "terminated": [],
+        "killed": [],
+        "unkillable": [],
+        "zombies": [],
+        "rounds": 0,
+    }
+    if check_mode or not targets:
+        result["zombies"] = zombies
+        return result
+    seen = {t.proc.identity for t in targets}
+    ids = [t.proc.identity for t in targets]
+    for ident in ids:
+        send_signal(ident, signal.SIGTERM, proc)
+    # Keep part of the budget for KILL: the grace period never eats the whole run.
+    reserve = min(budget.kill, budget.total / 2)
+    alive = wait_exited(ids, min(time.monotonic() + budget.term, deadline - reserve), proc)
+    result["terminated"] = [i[0] for i in ids if i not in alive]
+    killed: list[tuple[int, int]] = []
+    rounds, stuck_rounds, backoff = 1, 0, 0.1
+    while True:
+        if alive:
+            for ident in alive:
+                send_signal(ident, signal.SIGCONT, proc)
+                send_signal(ident, signal.SIGKILL, proc)
+            still = wait_exited(alive, min(deadline, time.monotonic() + budget.kill), proc)
+            killed.extend(i for i in alive if i not in still)
+            alive = still
+        if time.monotonic() >= deadline:
+            break
+        fresh, more_protected, more_zombies = select_targets(sel, self_pid=self_pid, proc=proc)
+        zombies += more_zombies
+        known = {p["pid"] for p in result["protected"]}
+        result["protected"].extend(p for p in more_protected if p["pid"] not in known)
+        new = [t for t in fresh if t.proc.identity not in seen]
+        for t in new:
+            seen.add(t.proc.identity)
+            result["targets"].append(t.as_dict())
+        if new:
+            # Respawned or late-forked: the job already had its grace period, so KILL at once.
+            alive += [t.proc.identity for t in new]
+            rounds += 1
+            continue
+        if not alive:
+            break
+        # Only survivors of SIGKILL are left (D state): retry with back-off as Slurm does, then give up.
+        stuck_rounds += 1
+        if stuck_rounds >= 3:
+            break
+        time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+        backoff *= 4
+        rounds += 1
+    result["killed"] = [i[0] for i in killed]
+    result["rounds"] = rounds
+    result["unkillable"] = [describe(i, proc) for i in alive if is_running(i, proc)]
+    # Report exited job processes still waiting for their parent (the parent may be a survivor).
+    reported = set()
+    for z in zombies + [{"pid": i[0]} for i in seen]:
+        p = read_proc(z["pid"], proc)
+        if p is not None and p.state in EXITED_STATES and p.pid not in reported:
+            reported.add(p.pid)
+            result["zombies"].append({"pid": p.pid, "ppid": p.ppid, "name": p.name})
+    return result
+
+
+def holders(
+    devices: list[str],
+    exclude_unit: str | None = None,
+    protect: list[str] | None = None,
+    self_pid: int | None = None,
+    proc: str = PROC,
+) -> list[dict]:
+    """Processes holding a device matching ``devices``, outside ``exclude_unit`` and ``protect``.
+
+    This process and its ancestors are left out (they are the caller); zombies hold nothing.
+    Returns [{pid, name, paths, cmdline}] sorted by pid.
+    """
+    procs = scan(proc)
+    self_pid = os.getpid() if self_pid is None else self_pid
+    skip = {self_pid, *ancestors(self_pid, procs)}
+    found = []
+    for p in procs.values():
+        if p.pid in skip or is_kernel_thread(p) or p.state in EXITED_STATES:
+            continue
+        paths = device_paths(p.pid, devices, proc)
+        if not paths:
+            continue
+        if exclude_unit and in_unit_cgroup(read_cgroup(p.pid, proc), exclude_unit):
+            continue
+        cmdline = read_cmdline(p.pid, proc)
+        if name_matches(p.name, cmdline[0] if cmdline else "", protect or []):
+            continue
+        found.append({"pid": p.pid, "name": p.name, "paths": paths, "cmdline": " ".join(cmdline)})
+    return found
+
+
+# --------------------------------------------------------------------------- CLI (pre-start guard)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="procs.py", description="Refuse to start a GPU job while foreign processes hold the GPUs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("holders", help="exit 1 and list holders of matching devices, exit 0 when none")
+    h.add_argument("--devices", nargs="+", required=True, metavar="GLOB")
+    h.add_argument("--exclude-cgroup-of-unit", metavar="UNIT")
+    h.add_argument("--protect", nargs="*", default=[], metavar="NAME")
+    args = parser.parse_args(argv)
+    found = holders(args.devices, args.exclude_cgroup_of_unit, args.protect)
+    for f in found:
+        print(f"pid={f['pid']} name={f['name']} paths={','.join(f['paths'])} cmdline={f['cmdline']}")
+    if found:
+        print(
+            f"{len(found)} process(es) outside {args.exclude_cgroup_of_unit or 'the job'} hold GPU devices;"
+            " run cleanup.yml (or gpu_cleanup) before starting the job",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        sys.exit(errno.EPIPE)
