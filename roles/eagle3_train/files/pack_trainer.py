@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Pack the trainer package into a byte-for-byte reproducible tar, so that `copy` sees a change only when
+the sources changed (sorted entries, fixed mtime, owner and mode; no __pycache__).
+
+Usage: pack_trainer.py TRAINING_DIR OUT.tar   (prints the tar's sha256)
+"""
+
+import hashlib
+import io
+import os
+import sys
+import tarfile
+
+
+def pack(training_dir: str, out: str) -> str:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel in sorted(_files(training_dir)):
+            data = open(os.path.join(training_dir, rel), "rb").read()
+            info = tarfile.TarInfo(rel)
+            info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
+            tar.addfile(info, io.BytesIO(data))
+    blob = buf.getvalue()
+    if not os.path.exists(out) or open(out, "rb").read() != blob:
+        tmp = out + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, out)
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _files(training_dir: str):
+    for base, dirs, files in os.walk(os.path.join(training_dir, "eagle3")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(base, name), training_dir)
+    if os.path.exists(os.path.join(training_dir, "pyproject.toml")):
+        yield "pyproject.toml"
+
+
+if __name__ == "__main__":
+    os.makedirs(os.path.dirname(os.path.abspath(sys.argv[2])), exist_ok=True)
+    print(pack(sys.argv[1], sys.argv[2]))
