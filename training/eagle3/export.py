@@ -1,0 +1,246 @@
+"""Export to the speculators format that vLLM serves for EAGLE-3, and load it back.
+
+    OUT_DIR/config.json          speculators_model_type "eagle3", speculators_config (algorithm, greedy
+                                 proposal with speculative_tokens, verifier), transformer_layer_config
+                                 (a one-layer Llama config), draft_vocab_size, norm_before_residual, ...
+    OUT_DIR/model.safetensors    fc, layers.0.*, norm, lm_head, d2t, t2d (+ embed_tokens, input_norm)
+
+vLLM reads `speculators_model_type`, `transformer_layer_config`, `draft_vocab_size`,
+`norm_before_residual` (it defaults to True when absent, so it is always written: this drafter keeps
+the raw hidden half as the residual), `target_hidden_size` and `eagle_aux_hidden_state_layer_ids`;
+it loads `d2t` as the draft-to-target offsets and ignores `t2d`. Without `embed_tokens` in the file
+vLLM shares the target's embedding (the drafter's is a frozen copy anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3 import __version__
+from eagle3.errors import ConfigError, DataError
+from eagle3.model import DrafterConfig, Eagle3Drafter
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# Never exported: the teacher (frozen target head rows and final norm), and the out-of-draft-vocab rows.
+_TEACHER_PREFIXES = ("verifier_norm.", "verifier_lm_head.", "verifier_lm_head_rest", "rest_target_ids")
+
+
+def exported_names(cfg: DrafterConfig, include_embed_tokens: bool) -> list[str]:
+    """Tensor names in model.safetensors, speculators spelling.
+
+    >>> from eagle3.model import DrafterConfig
+    >>> names = exported_names(DrafterConfig(64, 4, 16, 128, 512, 1024, (1, 2, 3)), False)
+    >>> names[:3], names[-4:]
+    (['fc.weight', 'layers.0.self_attn.q_proj.weight', 'layers.0.self_attn.k_proj.weight'], ['norm.weight', 'lm_head.weight', 'd2t', 't2d'])
+    """
+    layer = "layers.0."
+    names = ["fc.weight"]
+    names += [f"{layer}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+    names += [f"{layer}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    names += [f"{layer}{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
+    if cfg.norm_before_fc:
+        names.append("input_norm.weight")
+    if include_embed_tokens:
+        names.append("embed_tokens.weight")
+    return [*names, "norm.weight", "lm_head.weight", "d2t", "t2d"]
+
+
+def speculators_config(
+    cfg: DrafterConfig,
+    *,
+    speculative_tokens: int,
+    verifier_name_or_path: str | None,
+    verifier_architectures: list[str],
+    max_position_embeddings: int,
+    dtype: torch.dtype,
+) -> dict:
+    """The config.json dictionary (speculators Eagle3SpeculatorConfig fields)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": verifier_name_or_path,
+                "architectures": list(verifier_architectures),
+            },
+        },
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_heads,
+            "head_dim": cfg.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "max_position_embeddings": max_position_embeddings,
+            "vocab_size": cfg.target_vocab_size,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype_name,
+        },
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "torch_dtype": dtype_name,
+        "eagle3_pve": {"version": __version__, "drafter_config": cfg.to_dict()},
+    }
+
+
+def export_speculators(
+    model_or_state: Eagle3Drafter | dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    cfg: DrafterConfig | None = None,
+    speculative_tokens: int = 5,
+    verifier_name_or_path: str | None = None,
+    verifier_architectures: list[str] | tuple[str, ...] = (),
+    dtype: torch.dtype = torch.bfloat16,
+    include_embed_tokens: bool = True,
+    max_position_embeddings: int = 131072,
+) -> Path:
+    """Write config.json + model.safetensors into out_dir (created; existing files replaced). Returns out_dir.
+
+    model_or_state: a drafter, or its state_dict together with `cfg`. Trainer checkpoints hold only
+    the trainable weights; a frozen lm_head comes from the dataset's target, so build the drafter with
+    load_target_weights, load the checkpoint into it, and pass the drafter.
+    """
+    if isinstance(model_or_state, Eagle3Drafter):
+        cfg = model_or_state.cfg
+        state = model_or_state.state_dict()
+    else:
+        if cfg is None:
+            raise ConfigError("export_speculators got a state_dict without cfg; pass cfg=DrafterConfig(...)")
+        state = dict(model_or_state)
+    cfg.validate()
+    if speculative_tokens < 1:
+        raise ConfigError(
+            f"speculative_tokens={speculative_tokens} must be at least 1 (usually the ttt_steps trained)"
+        )
+    include_embed_tokens = include_embed_tokens and "embed_tokens.weight" in state
+    names = exported_names(cfg, include_embed_tokens)
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise DataError(
+            f"cannot export: the weights lack {missing}. Trainer checkpoints keep only trainable weights; "
+            "build Eagle3Drafter(cfg), call load_target_weights with the dataset's target, load the checkpoint, "
+            "and export the drafter"
+        )
+    if torch.isnan(state["lm_head.weight"].float()).any():
+        raise DataError(
+            "lm_head.weight holds NaN; the drafter diverged or its target weights were never loaded"
+        )
+    tensors = {}
+    for name in names:
+        t = state[name].detach().cpu()
+        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = speculators_config(
+        cfg,
+        speculative_tokens=speculative_tokens,
+        verifier_name_or_path=verifier_name_or_path,
+        verifier_architectures=list(verifier_architectures),
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+    )
+    # Write to temporary names, then rename: a crash never leaves a half-written export behind.
+    tmp_weights, tmp_config = out / f".{WEIGHTS_FILE}.tmp", out / f".{CONFIG_FILE}.tmp"
+    save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    tmp_config.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp_weights, out / WEIGHTS_FILE)
+    os.replace(tmp_config, out / CONFIG_FILE)
+    return out
+
+
+def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig:
+    """DrafterConfig from a speculators eagle3 config.json dictionary; ConfigError names a missing key."""
+    if config.get("speculators_model_type") != "eagle3":
+        raise ConfigError(
+            f"{source}: speculators_model_type={config.get('speculators_model_type')!r}, expected 'eagle3'"
+        )
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError(f"{source}: transformer_layer_config is missing or not a mapping")
+    if config.get("norm_before_residual", True):
+        raise ConfigError(
+            f"{source}: norm_before_residual={config.get('norm_before_residual', 'absent (vLLM: True)')}; "
+            "this drafter implements only norm_before_residual=false"
+        )
+    try:
+        hidden = layer["hidden_size"]
+        heads = layer["num_attention_heads"]
+        values = dict(
+            hidden_size=hidden,
+            num_heads=heads,
+            head_dim=layer.get("head_dim") or hidden // heads,
+            intermediate_size=layer["intermediate_size"],
+            draft_vocab_size=config["draft_vocab_size"],
+            target_vocab_size=layer["vocab_size"],
+            aux_layer_ids=tuple(config["eagle_aux_hidden_state_layer_ids"]),
+            rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+            rope_theta=layer.get("rope_theta", 10000.0),
+            norm_before_fc=bool(config.get("norm_before_fc", False)),
+        )
+    except KeyError as e:
+        raise ConfigError(f"{source}: required key {e.args[0]!r} is missing; re-export the drafter") from e
+    if layer.get("num_key_value_heads", heads) != heads:
+        raise ConfigError(
+            f"{source}: num_key_value_heads={layer['num_key_value_heads']} != num_attention_heads={heads}; "
+            "grouped-query attention is not implemented by this drafter"
+        )
+    return DrafterConfig.from_dict(values)
+
+
+def load_exported(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """Load an export as an Eagle3Drafter (for checks and evaluation; the teacher weights are not in it)."""
+    out = Path(out_dir)
+    config_path, weights_path = out / CONFIG_FILE, out / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise ConfigError(
+                f"{path} does not exist; export with `python -m eagle3 export RUN_DIR {out}` first"
+            )
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config_path} is not valid JSON ({e}); re-export the drafter") from e
+    cfg = config_from_export(config, str(config_path))
+    model = Eagle3Drafter(cfg)
+    weights = load_file(str(weights_path))
+    expected = exported_names(cfg, "embed_tokens.weight" in weights)
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise DataError(f"{weights_path}: missing {missing}, unexpected {unexpected}; re-export the drafter")
+    model.load_state_dict(weights, strict=False)
+    # The teacher is not exported: NaN makes any accidental use of it visible in the loss.
+    model.verifier_lm_head.weight.data.fill_(float("nan"))
+    model.verifier_norm.weight.data.fill_(float("nan"))
+    return model.to(dtype)

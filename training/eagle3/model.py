@@ -1,0 +1,618 @@
+"""The EAGLE-3 drafter (FACTS.md §5) and its training-time-test (TTT) forward pass.
+
+Parameter names follow speculators' Eagle3 so vLLM can serve the export:
+
+    embed_tokens            frozen copy of the target embedding              [V_target, H]
+    input_norm              optional RMSNorm over the 3 aux states (norm_before_fc)   [3H]
+    fc                      Linear 3H -> H over the three target aux hidden states
+    layers.0.input_layernorm / hidden_norm       RMSNorm of the embedding half / hidden half
+    layers.0.self_attn.{q,k,v}_proj  2H -> heads*head_dim;  o_proj heads*head_dim -> H
+    layers.0.post_attention_layernorm, layers.0.mlp.{gate,up,down}_proj   (Llama SwiGLU)
+    norm, lm_head           final RMSNorm, H -> V_draft (initialised from the target head rows t2d)
+    verifier_norm, verifier_lm_head   frozen target final norm and head rows t2d: the teacher
+    d2t long[V_draft], t2d bool[V_target]   target_id = draft_id + d2t[draft_id]
+
+Alignment of one packed row (raw per-document data, positions restarting at 0 per document).
+Slot j of the drafter holds target hidden state g_j (aux_hidden[j]); at TTT step k it embeds the
+teacher-forced token input_ids[j+1+k], uses position position_ids[j]+1+k, and is supervised
+against the target's distribution at slot j+1+k (from last_hidden[j+1+k]) when
+loss_mask[j+1+k] is set and slot j+1+k is in the same document as slot j.
+
+    slot j                 0    1    2    3  | 4    5    (two documents: [0,0,0,0,1,1])
+    step 0 token           x1   x2   x3   y0 | y1   -
+    step 0 target slot     1    2    3    -  | 5    -    (slot 3 would cross into document 1)
+    step 1 token           x2   x3   y0   y1 | -    -
+    step 1 target slot     2    3    -    -  | -    -
+
+This is speculators' `shift_batch` + `align_for_step`, with the deeper steps gated per document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from eagle3.attention import TTTAttention, validate_document_ids
+from eagle3.errors import ConfigError, DataError
+from eagle3.loss import DEFAULT_CHUNK_SIZE, chunked_kl
+
+STAT_KEYS = (
+    "loss_sum",
+    "full_acc_sum",
+    "cond_acc_sum",
+    "cond_acc_count",
+    "full_acc_true_sum",
+    "cond_acc_true_sum",
+    "cond_acc_true_count",
+    "count",
+)
+
+
+@dataclass
+class DrafterConfig:
+    """Shape of the drafter. `aux_layer_ids` are the 3 target layers whose hidden states feed `fc`."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    norm_before_fc: bool = False
+    # speculators keeps lm_head frozen at the target's rows (FACTS.md §5 counts it as frozen).
+    train_lm_head: bool = False
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DrafterConfig:
+        """Build and validate; unknown or missing keys raise ConfigError naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown drafter config key(s) {unknown}; known keys: {', '.join(sorted(names))}"
+            )
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - set(data))
+        if missing:
+            raise ConfigError(
+                f"drafter config is missing {missing}; every one of {sorted(required)} is required"
+            )
+        values = dict(data)
+        if isinstance(values["aux_layer_ids"], list | tuple):
+            values["aux_layer_ids"] = tuple(values["aux_layer_ids"])
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_shapes(
+        cls,
+        hidden_size: int,
+        draft_vocab_size: int,
+        target_vocab_size: int,
+        aux_layer_ids,
+        num_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
+        **options,
+    ) -> DrafterConfig:
+        """Derive the unset shape keys Llama-style: head_dim 64 (H/4 below H=256), heads = H / head_dim,
+        MLP width 8H/3 rounded up to a multiple of 64.
+
+        >>> c = DrafterConfig.from_shapes(64, 512, 1024, (2, 4, 5))
+        >>> (c.num_heads, c.head_dim, c.intermediate_size)
+        (4, 16, 192)
+        >>> c = DrafterConfig.from_shapes(7168, 32000, 163840, (2, 30, 58), num_heads=64)
+        >>> (c.num_heads, c.head_dim, c.intermediate_size)
+        (64, 64, 19136)
+        """
+        if head_dim is None:
+            head_dim = 64 if hidden_size >= 256 else max(2, hidden_size // 4 // 2 * 2)
+        if num_heads is None:
+            num_heads = max(1, hidden_size // head_dim)
+        if intermediate_size is None:
+            intermediate_size = max(64, math.ceil(8 * hidden_size / 3 / 64) * 64)
+        cfg = cls(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size,
+            draft_vocab_size=draft_vocab_size,
+            target_vocab_size=target_vocab_size,
+            aux_layer_ids=tuple(aux_layer_ids),
+            **options,
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the key, the value and what is expected."""
+        for key in (
+            "hidden_size",
+            "num_heads",
+            "head_dim",
+            "intermediate_size",
+            "draft_vocab_size",
+            "target_vocab_size",
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key}={value!r} must be a positive integer")
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim={self.head_dim} must be even (rotary embedding pairs); try {self.head_dim + 1}"
+            )
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise ConfigError(
+                f"draft_vocab_size={self.draft_vocab_size} is larger than target_vocab_size={self.target_vocab_size}; "
+                f"the draft vocabulary is a subset of the target's: use at most {self.target_vocab_size}"
+            )
+        ids = self.aux_layer_ids
+        if (
+            not isinstance(ids, tuple | list)
+            or len(ids) != 3
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
+            or len(set(ids)) != 3
+        ):
+            raise ConfigError(
+                f"aux_layer_ids={ids!r} must be 3 distinct target layer indices >= 0, "
+                "for example [2, n//2, n-3] for a target with n layers"
+            )
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} must be positive, for example 1e-6")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be positive, for example 10000.0")
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in fp32, scale by `weight` in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Linear with the input cast to the weight dtype (frozen heads may be bf16 while activations are fp32)."""
+    return layer(x.to(layer.weight.dtype))
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama (NeoX-style, rotate-half) rotary tables in fp32: cos, sin [S, head_dim].
+
+    >>> cos, sin = rope_cos_sin(torch.tensor([0, 1]), 4, 10000.0)
+    >>> cos[0].tolist(), [round(v, 4) for v in sin[1].tolist()]
+    ([1.0, 1.0, 1.0, 1.0], [0.8415, 0.01, 0.8415, 0.01])
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [S, hd/2]
+    angles = torch.cat([freqs, freqs], dim=-1)  # [S, hd]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, S, hd] rotated by position: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        inner = cfg.num_heads * cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, inner, bias=False)
+        self.o_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """One Llama decoder layer whose attention reads concat(norm(embedding), norm(hidden)): [S, 2H]."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = Eagle3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden, embeds, cos, sin, past_keys, past_values, attention):
+        """One TTT step. Returns the new hidden [S, H] and this step's post-RoPE keys/values [heads, S, hd]."""
+        seq_len = hidden.shape[0]
+        residual = hidden  # the residual is the raw hidden half (norm_before_residual = False)
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [S, 2H]
+        x = x.to(self.self_attn.q_proj.weight.dtype)
+
+        def heads(t):
+            return t.view(seq_len, self.num_heads, self.head_dim).transpose(0, 1)  # [nh, S, hd]
+
+        q = apply_rope(heads(self.self_attn.q_proj(x)), cos, sin)  # [nh, S, hd]
+        k = apply_rope(heads(self.self_attn.k_proj(x)), cos, sin)  # [nh, S, hd]
+        v = heads(self.self_attn.v_proj(x))  # [nh, S, hd]
+        attn = attention(q, [*past_keys, k], [*past_values, v])  # [nh, S, hd]
+        attn = attn.transpose(0, 1).reshape(seq_len, self.num_heads * self.head_dim)  # [S, nh*hd]
+        hidden = residual + self.self_attn.o_proj(attn)  # [S, H]
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))  # [S, H]
+        return hidden, k, v
+
+
+class Eagle3Drafter(nn.Module):
+    """The drafter. Call `load_target_weights` before training; `forward(batch, ...)` is `ttt_forward`."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        hidden = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, hidden)
+        self.input_norm = RMSNorm(3 * hidden, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, cfg.draft_vocab_size, bias=False)
+        self.verifier_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.verifier_lm_head = nn.Linear(hidden, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.target_vocab_size, dtype=torch.bool))
+        # Target head rows outside the draft vocab and their ids: only for the "true" accuracy
+        # (is the target's argmax over its whole vocab what the drafter proposed?). Not saved.
+        self.register_buffer("verifier_lm_head_rest", torch.zeros(0, hidden), persistent=False)
+        self.register_buffer("rest_target_ids", torch.zeros(0, dtype=torch.long), persistent=False)
+        self._init_weights()
+        for frozen in (self.embed_tokens, self.verifier_norm, self.verifier_lm_head):
+            frozen.requires_grad_(False)
+        self.lm_head.requires_grad_(cfg.train_lm_head)
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+
+    # ---------------------------------------------------------------- target weights
+    @torch.no_grad()
+    def load_target_weights(
+        self,
+        embed: torch.Tensor,
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        t2d: torch.Tensor,
+        d2t: torch.Tensor,
+        *,
+        keep_full_head: bool = True,
+    ) -> None:
+        """Copy the frozen target pieces in: embedding [V_target, H], final norm [H], lm_head [V_target, H].
+
+        lm_head (the drafter's) and verifier_lm_head both start as the target rows t2d.
+        keep_full_head=False drops the rows outside the draft vocab (saves (V_target - V_draft) * H
+        elements); then batches must carry `target_ids` for the true-target accuracy.
+        """
+        cfg = self.cfg
+        h, vt, vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
+        expect = {"embed": (embed, [vt, h]), "final_norm": (final_norm, [h]), "lm_head": (lm_head, [vt, h])}
+        expect |= {"t2d": (t2d, [vt]), "d2t": (d2t, [vd])}
+        for key, (tensor, shape) in expect.items():
+            if list(tensor.shape) != shape:
+                raise DataError(
+                    f"target weight {key} has shape {list(tensor.shape)}, expected {shape} "
+                    f"(hidden_size={h}, target_vocab_size={vt}, draft_vocab_size={vd}); "
+                    "the dataset's target.safetensors/vocab.safetensors do not match the drafter config"
+                )
+        t2d = t2d.to(torch.bool)
+        draft_to_target = torch.arange(vd, device=d2t.device) + d2t.long()  # [V_draft]
+        in_draft = torch.nonzero(t2d).flatten()  # [V_draft] target ids, ascending
+        if in_draft.numel() != vd or not torch.equal(draft_to_target.cpu(), in_draft.cpu()):
+            raise DataError(
+                f"vocab mapping mismatch: t2d marks {in_draft.numel()} target ids but draft_vocab_size={vd}, "
+                "or draft_id + d2t[draft_id] is not the ascending list of target ids marked in t2d; "
+                "rebuild vocab.safetensors with one mapping for both"
+            )
+        self.embed_tokens.weight.copy_(embed)
+        self.verifier_norm.weight.copy_(final_norm)
+        rows = lm_head[t2d.to(lm_head.device)]  # [V_draft, H]
+        self.verifier_lm_head.weight.copy_(rows)
+        self.lm_head.weight.copy_(rows)
+        self.t2d.copy_(t2d)
+        self.d2t.copy_(d2t)
+        device = self.fc.weight.device
+        if keep_full_head and vd < vt:
+            rest = (~t2d).to(lm_head.device)
+            self.verifier_lm_head_rest = lm_head[rest].to(
+                device=device, dtype=self.verifier_lm_head.weight.dtype
+            )
+            self.rest_target_ids = torch.nonzero(~t2d).flatten().to(device)
+        else:
+            self.verifier_lm_head_rest = self.verifier_lm_head_rest.new_zeros(0, h)
+            self.rest_target_ids = self.rest_target_ids.new_zeros(0)
+        self._full_head = keep_full_head or vd == vt
+
+    def frozen_to(self, dtype: torch.dtype) -> Eagle3Drafter:
+        """Store the frozen embedding and target heads in `dtype` (bf16 halves them); trainable weights untouched."""
+        frozen = [self.embed_tokens, self.verifier_norm, self.verifier_lm_head]
+        if not self.cfg.train_lm_head:
+            frozen.append(self.lm_head)
+        for module in frozen:
+            module.to(dtype)
+        self.verifier_lm_head_rest = self.verifier_lm_head_rest.to(dtype)
+        return self
+
+    # ---------------------------------------------------------------- pieces of the forward pass
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter logits over the draft vocab: lm_head(norm(h)) [N, V_draft]."""
+        return _linear(self.lm_head, self.norm(hidden))
+
+    def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Target logits restricted to the draft vocab: verifier_lm_head(verifier_norm(y)) [N, V_draft]."""
+        return _linear(self.verifier_lm_head, self.verifier_norm(last_hidden))
+
+    @torch.no_grad()
+    def target_token_ids(self, last_hidden: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE):
+        """Target argmax per slot: (draft-vocab-restricted id in draft space [S], true id in target space [S] or None).
+
+        The true id needs the head rows outside the draft vocab (load_target_weights(keep_full_head=True)).
+        """
+        restricted, true = [], []
+        full = getattr(self, "_full_head", False)
+        for a in range(0, last_hidden.shape[0], chunk_size):
+            y = self.verifier_norm(last_hidden[a : a + chunk_size])  # [C, H]
+            logits = _linear(self.verifier_lm_head, y)  # [C, V_draft]
+            best, best_id = logits.max(-1)
+            restricted.append(best_id)
+            if not full:
+                continue
+            as_target = best_id + self.d2t[best_id]
+            if self.rest_target_ids.numel():
+                rest_best, rest_id = _linear_rows(self.verifier_lm_head_rest, y).max(-1)  # [C]
+                as_target = torch.where(rest_best > best, self.rest_target_ids[rest_id], as_target)
+            true.append(as_target)
+        return torch.cat(restricted), (torch.cat(true) if full else None)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.embed_tokens(token_ids)  # [S, H]
+
+    def _layer_step(self, hidden, token_ids, cos, sin, past_keys, past_values, attention):
+        return self.layers[0](hidden, self.embed(token_ids), cos, sin, past_keys, past_values, attention)
+
+    def ttt_hidden_states(
+        self, batch: dict, ttt_steps: int, attention: str = "auto", activation_checkpointing: bool = False
+    ):
+        """Yield the drafter's pre-norm hidden state [S, H] of each TTT step 0..ttt_steps-1 (teacher forced).
+
+        With activation_checkpointing the decoder layer of each step is recomputed in backward; the
+        K/V of earlier steps are passed in and this step's K/V returned, so recomputation sees the
+        same cache (HF-style checkpointing would drop it).
+        """
+        input_ids = batch["input_ids"]
+        attn = TTTAttention(batch["document_ids"], attention)
+        aux = batch["aux_hidden"]
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        hidden = _linear(self.fc, aux)  # [S, H]
+        base_positions = batch["position_ids"] + 1  # the embedded token sits one slot right
+        keys, values = [], []
+        for step in range(ttt_steps):
+            token_ids = shift_tokens(input_ids, step + 1)  # [S]
+            cos, sin = rope_cos_sin(base_positions + step, self.cfg.head_dim, self.cfg.rope_theta)  # [S, hd]
+            args = (hidden, token_ids, cos, sin, list(keys), list(values), attn)
+            if activation_checkpointing and torch.is_grad_enabled():
+                hidden, k, v = checkpoint(self._layer_step, *args, use_reentrant=False)
+            else:
+                hidden, k, v = self._layer_step(*args)
+            keys.append(k)
+            values.append(v)
+            yield hidden
+
+    def forward(
+        self,
+        batch: dict,
+        *,
+        ttt_steps: int = 5,
+        gamma: float = 1.0,
+        activation_checkpointing: bool = False,
+        loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        attention: str = "auto",
+    ):
+        """See `ttt_forward`."""
+        return _ttt_loss(self, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention)
+
+
+def _linear_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(weight.dtype), weight)
+
+
+def shift_tokens(input_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """input_ids moved left by `shift`, zero-filled at the end (the teacher-forced token of each slot).
+
+    >>> shift_tokens(torch.tensor([5, 6, 7, 8]), 2).tolist()
+    [7, 8, 0, 0]
+    """
+    out = torch.zeros_like(input_ids)
+    if shift < input_ids.shape[0]:
+        out[: input_ids.shape[0] - shift] = input_ids[shift:]
+    return out
+
+
+def step_supervision(document_ids: torch.Tensor, loss_mask: torch.Tensor, step: int):
+    """(valid, supervised) for slots 0..S-2-step at TTT step `step`; the target slot is j+1+step.
+
+    valid: the target slot is in the same (non-padding) document; supervised: valid and loss_mask there.
+
+    >>> doc = torch.tensor([0, 0, 0, 1, 1, -1]); mask = torch.tensor([1, 1, 1, 1, 1, 0]).bool()
+    >>> [v.int().tolist() for v in step_supervision(doc, mask, 0)]
+    [[1, 1, 0, 1, 0], [1, 1, 0, 1, 0]]
+    >>> [v.int().tolist() for v in step_supervision(doc, mask, 1)]
+    [[1, 0, 0, 0], [1, 0, 0, 0]]
+    """
+    n = max(document_ids.shape[0] - 1 - step, 0)
+    here, there = document_ids[:n], document_ids[1 + step : 1 + step + n]
+    valid = (here >= 0) & (here == there)
+    return valid, valid & loss_mask[1 + step : 1 + step + n].bool()
+
+
+def check_batch(cfg: DrafterConfig, batch: dict) -> int:
+    """Check names, shapes, dtypes and id ranges of one packed row; return S. DataError names what is wrong."""
+    needed = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "document_ids", "position_ids")
+    missing = [k for k in needed if k not in batch]
+    if missing:
+        raise DataError(f"batch lacks {missing}; a packed row needs {list(needed)}")
+    seq_len = batch["input_ids"].shape[0]
+    h = cfg.hidden_size
+    shapes = {
+        "input_ids": [seq_len],
+        "aux_hidden": [seq_len, 3 * h],
+        "last_hidden": [seq_len, h],
+        "loss_mask": [seq_len],
+        "document_ids": [seq_len],
+        "position_ids": [seq_len],
+    }
+    if "target_ids" in batch:
+        shapes["target_ids"] = [seq_len]
+    for key, shape in shapes.items():
+        if list(batch[key].shape) != shape:
+            raise DataError(
+                f"batch[{key!r}] has shape {list(batch[key].shape)}, expected {shape} "
+                f"(S={seq_len}, hidden_size={h}); the dataset's hidden size must match the drafter config"
+            )
+    for key in ("input_ids", "document_ids", "position_ids"):
+        if batch[key].is_floating_point():
+            raise DataError(
+                f"batch[{key!r}] has dtype {batch[key].dtype}, expected an integer dtype (torch.long)"
+            )
+    ids = batch["input_ids"]
+    if seq_len and (int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size):
+        raise DataError(
+            f"batch['input_ids'] holds ids in [{int(ids.min())}, {int(ids.max())}], "
+            f"outside the target vocab [0, {cfg.target_vocab_size}); the dataset was made for another target"
+        )
+    validate_document_ids(batch["document_ids"])
+    return seq_len
+
+
+def _ttt_loss(
+    model: Eagle3Drafter, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention
+):
+    if ttt_steps < 1:
+        raise ConfigError(f"ttt_steps={ttt_steps} must be at least 1 (default 5)")
+    seq_len = check_batch(model.cfg, batch)
+    device = model.fc.weight.device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    last_hidden = batch["last_hidden"]
+    restricted_ids, true_ids = model.target_token_ids(last_hidden, loss_chunk_size)  # [S], [S]
+    if "target_ids" in batch:
+        true_ids = batch["target_ids"].long()
+    if true_ids is None:
+        raise ConfigError(
+            "true-target accuracy needs the target head rows outside the draft vocab: call "
+            "load_target_weights(..., keep_full_head=True) or put `target_ids` (target argmax per slot) in the batch"
+        )
+    doc, loss_mask = batch["document_ids"], batch["loss_mask"]
+    stats = torch.zeros(len(STAT_KEYS), ttt_steps, dtype=torch.float64, device=device)
+    loss = last_hidden.new_zeros((), dtype=torch.float32)
+    all_right = torch.ones(seq_len, dtype=torch.bool, device=device)  # every step so far correct
+    all_right_true = all_right.clone()
+    steps = model.ttt_hidden_states(batch, ttt_steps, attention, activation_checkpointing)
+    for step, hidden in enumerate(steps):
+        valid, supervised = step_supervision(doc, loss_mask, step)
+        n = valid.shape[0]
+        count = supervised.sum()
+        weight = supervised.float() * (gamma**step / count.clamp(min=1).float())  # [n]
+        part, kl, draft_ids = chunked_kl(model, hidden[:n], last_hidden[1 + step :], weight, loss_chunk_size)
+        loss = loss + part
+        target_slot = torch.arange(n, device=device) + 1 + step
+        right = draft_ids == restricted_ids[target_slot]  # [n]
+        right_true = (draft_ids + model.d2t[draft_ids]) == true_ids[target_slot]  # [n]
+        before, before_true = all_right[:n].clone(), all_right_true[:n].clone()
+        all_right[:n] &= right
+        all_right_true[:n] &= right_true
+        sup = supervised
+        stats[:, step] = torch.stack(
+            [
+                (kl * sup).sum().double(),
+                (all_right[:n] & sup).sum().double(),
+                (all_right[:n] & sup).sum().double(),
+                (before & sup).sum().double(),
+                (all_right_true[:n] & sup).sum().double(),
+                (all_right_true[:n] & sup).sum().double(),
+                (before_true & sup).sum().double(),
+                count.double(),
+            ]
+        )
+    stats = stats.cpu()  # one transfer for all statistics
+    return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
+
+
+def ttt_forward(
+    model,
+    batch: dict,
+    *,
+    ttt_steps: int = 5,
+    gamma: float = 1.0,
+    activation_checkpointing: bool = False,
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
+    attention: str = "auto",
+):
+    """Loss and statistics of one packed row over `ttt_steps` TTT steps.
+
+    loss = sum_k gamma^k * mean KL over the supervised slots of step k (a scalar to backward).
+    stats: float64 CPU tensors [ttt_steps] as sums and counts (all-reduce them in one collective):
+    loss_sum (KL summed over supervised slots), count (supervised slots), full_acc_sum (slots
+    whose draft argmax matched at every step 0..k), cond_acc_sum / cond_acc_count (matched at k
+    among slots that matched at every step < k), and the *_true_* versions that compare against
+    the target's argmax over its whole vocabulary (a target token outside the draft vocab is a miss).
+
+    Goes through `model(...)` so DDP / FSDP wrappers run their hooks.
+    """
+    return model(
+        batch,
+        ttt_steps=ttt_steps,
+        gamma=gamma,
+        activation_checkpointing=activation_checkpointing,
+        loss_chunk_size=loss_chunk_size,
+        attention=attention,
+    )
+
+
+@torch.no_grad()
+def ttt_logits(model: Eagle3Drafter, batch: dict, ttt_steps: int, attention: str = "auto") -> torch.Tensor:
+    """Draft logits of every TTT step, [ttt_steps, S, V_draft] (small rows only: tests and export checks)."""
+    check_batch(model.cfg, batch)
+    device = model.fc.weight.device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    return torch.stack([model.draft_logits(h) for h in model.ttt_hidden_states(batch, ttt_steps, attention)])
