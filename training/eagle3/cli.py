@@ -1,0 +1,150 @@
+"""Command line: `python -m eagle3 {train,synth,plan,export,import}` (also the `eagle3` console script).
+
+train  --config FILE [--max-seq-len 16384 ...]    train (or resume) a drafter; exit 0/1/2/3
+synth  OUT_DIR [--num-samples N ...]              write a learnable synthetic dataset
+plan   ...                                        memory planner (eagle3.plan)
+export RUN_DIR OUT_DIR [--checkpoint best|latest|PATH]   speculators format for vLLM
+import SRC OUT --target-weights PATH [--draft-vocab N]   from the speculators offline layout
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
+
+USAGE = __doc__
+
+
+def cmd_synth(argv: list[str]) -> int:
+    from eagle3.synth import main as synth_main
+
+    return synth_main(argv)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    try:
+        from eagle3.plan import main as plan_main
+    except ImportError as e:
+        print(f"eagle3 plan is not available in this installation ({e}); the memory planner lives in eagle3/plan.py",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_CONFIG
+    return plan_main(argv)
+
+
+def pick_checkpoint(run_dir: str, which: str) -> Path:
+    """`best` (falls back to the newest valid one when no validation ran), `latest`, or a directory path."""
+    from eagle3 import checkpoint as ckpt
+
+    if which not in ("best", "latest"):
+        path = Path(which)
+        if not (path / ckpt.MARKER).is_file():
+            raise ConfigError(
+                f"--checkpoint {which!r} is not a complete checkpoint directory (no {ckpt.MARKER})"
+            )
+        return path
+    best = ckpt.checkpoints_dir(run_dir) / ckpt.BEST
+    if which == "best" and (best / ckpt.MARKER).is_file():
+        return best
+    newest = ckpt.newest_valid(run_dir)
+    if newest is None:
+        raise ConfigError(
+            f"no valid checkpoint under {run_dir}/checkpoints; train first or pass --checkpoint PATH"
+        )
+    return newest
+
+
+def load_trained(run_dir: str, which: str = "best"):
+    """Rebuild the drafter of a run (config + dataset's frozen weights) with a checkpoint's trained weights."""
+    import json
+
+    from eagle3 import checkpoint as ckpt
+    from eagle3.config import TrainConfig
+    from eagle3.data import DatasetReader
+    from eagle3.model import Eagle3Drafter
+    from eagle3.train import drafter_config
+
+    path = pick_checkpoint(run_dir, which)
+    cfg = TrainConfig(**json.loads((path / "config.json").read_text()))
+    reader = DatasetReader(cfg.data_dir)
+    dcfg = drafter_config(cfg, reader.index)
+    model = Eagle3Drafter(dcfg)
+    t2d, d2t = reader.vocab()
+    target = reader.target_weights()
+    model.load_target_weights(target["embed"], target["final_norm"], target["lm_head"], t2d, d2t)
+    model.load_state_dict(ckpt.load_model_state(path), strict=False)
+    model.eval()
+    return model, path
+
+
+def cmd_export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="eagle3 export", description="Export a trained drafter for vLLM.")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--checkpoint", default="best", help="best (default), latest, or a checkpoint directory")
+    args = p.parse_args(argv)
+    from eagle3.export import export_speculators
+
+    model, path = load_trained(args.run_dir, args.checkpoint)
+    export_speculators(model, args.out_dir)
+    print(f"exported {path} -> {args.out_dir}", flush=True)
+    return EXIT_OK
+
+
+def cmd_import(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="eagle3 import", description="Import the speculators offline data layout."
+    )
+    p.add_argument("src", help="directory with hidden_states/hs_{i}.safetensors")
+    p.add_argument("out", help="new native dataset directory")
+    p.add_argument("--target-weights", required=True,
+                   help="safetensors with embed/final_norm/lm_head (or HF names), or an HF model directory")  # fmt: skip
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument(
+        "--aux-layer-ids",
+        required=True,
+        help="the three target layers the hidden states came from, e.g. 2,30,58",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    args = p.parse_args(argv)
+    import torch
+
+    from eagle3.data import import_speculators
+
+    try:
+        aux = tuple(int(v) for v in args.aux_layer_ids.split(","))
+    except ValueError as e:
+        raise ConfigError(f"--aux-layer-ids {args.aux_layer_ids!r} must be 3 integers like 2,30,58") from e
+    if len(aux) != 3:
+        raise ConfigError(f"--aux-layer-ids {args.aux_layer_ids!r} must name exactly 3 layers")
+    index = import_speculators(
+        args.src, args.out, target_weights=args.target_weights, draft_vocab_size=args.draft_vocab,
+        aux_layer_ids=aux, dtype=getattr(torch, args.dtype),
+    )  # fmt: skip
+    print(f"imported {args.src} -> {index.parent}", flush=True)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return EXIT_OK if argv else EXIT_CONFIG
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from eagle3.train import main as train_main
+
+        return train_main(rest)
+    commands = {"synth": cmd_synth, "plan": cmd_plan, "export": cmd_export, "import": cmd_import}
+    if command not in commands:
+        print(
+            f"unknown command {command!r}; use one of train, {', '.join(commands)}\n{USAGE}", file=sys.stderr
+        )
+        return EXIT_CONFIG
+    try:
+        return commands[command](rest)
+    except ConfigError as e:
+        print(f"{command}: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG

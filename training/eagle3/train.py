@@ -1,0 +1,713 @@
+"""The training loop: read top to bottom.
+
+    setup      config -> memory limit -> stand-in device -> process group -> dataset checks -> model -> resume
+    each step  fetch one packed row per rank -> TTT forward -> backward -> clip -> AdamW -> scheduler
+    boundary   one collective: stop flag (+ metrics at log steps) -> log -> validate -> checkpoint -> stop?
+    exit       0 done or stopped cleanly, 2 bad config/data, 3 out of memory, 1 anything else
+
+Everything that can be checked without the GPU is checked before the model is built, so bad input exits
+with code 2 before any GPU memory is taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from eagle3 import checkpoint as ckpt
+from eagle3 import distributed as dist_utils
+from eagle3.config import TrainConfig, dump_config, load_config
+from eagle3.data import DatasetReader
+from eagle3.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_OOM, ConfigError, DataError
+from eagle3.metrics import (
+    SCALAR_SUM_KEYS,
+    TIMER_KEYS,
+    RunFiles,
+    StatAccumulator,
+    console_line,
+    mean_loss,
+    peak_memory_gb,
+    summarize,
+)
+from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
+from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
+from eagle3.standin import hold_standin_device
+
+
+class StopRequested:
+    """SIGTERM/SIGINT: the first asks for a checkpoint at the next step boundary, a second exits at once."""
+
+    def __init__(self, on_second):
+        self.requested = False
+        self.signal_name = ""
+        self._on_second = on_second
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            self._on_second(name)
+            os._exit(EXIT_CRASH)
+        self.requested = True
+        self.signal_name = name
+        print(
+            f"{name} received: checkpoint at the next step boundary, then exit (again to exit at once)",
+            flush=True,
+        )
+
+
+def is_oom(exc: BaseException) -> bool:
+    """CUDA OOM, CPU allocator failure or a Python MemoryError (RLIMIT_AS on CPU)."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower()
+    )
+
+
+def apply_memory_limit(limit_gb: float, device: torch.device) -> None:
+    """CUDA: per-process memory fraction. CPU: an address-space limit (RLIMIT_AS) so tests can provoke OOM."""
+    if limit_gb <= 0:
+        return
+    limit = int(limit_gb * 2**30)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        return
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
+    """The drafter's shape: sizes from the dataset index, heads/MLP from the config or derived (0 = derive)."""
+    return DrafterConfig.from_shapes(
+        index.hidden_size,
+        index.draft_vocab_size,
+        index.target_vocab_size,
+        tuple(index.aux_layer_ids),
+        num_heads=cfg.num_heads or None,
+        head_dim=cfg.head_dim or None,
+        intermediate_size=cfg.intermediate_size or None,
+        norm_before_fc=cfg.norm_before_fc,
+    )
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warmup, then cosine decay to 10 % of the peak at `total` steps.
+
+    >>> f = lr_lambda(10, 110)
+    >>> round(f(0), 3), round(f(9), 3), round(f(10), 3), round(f(110), 3)
+    (0.1, 1.0, 1.0, 0.1)
+    """
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, info: dist_utils.DistInfo, files: RunFiles, stop: StopRequested):
+        self.cfg = cfg
+        self.info = info
+        self.files = files
+        self.stop = stop
+        self.started = time.time()
+
+    def log(self, msg: str) -> None:
+        if self.info.is_main:
+            print(msg, flush=True)
+
+    # ----------------------------------------------------------------------------------- setup
+    def check_data(self) -> None:
+        """Dataset checks that need no model: exit 2 on any mismatch, before GPU memory is taken."""
+        cfg = self.cfg
+        self.reader = DatasetReader(cfg.data_dir)
+        self.reader.validate()
+        idx = self.reader.index
+        if cfg.hidden_size and cfg.hidden_size != idx.hidden_size:
+            raise DataError(
+                f"hidden_size={cfg.hidden_size} in the config but the dataset {cfg.data_dir} has hidden_size="
+                f"{idx.hidden_size}; remove hidden_size from the config or use a matching dataset"
+            )
+        self.train_ids, self.val_ids = split_train_val(idx.num_samples, cfg.val_fraction)
+        if not self.train_ids:
+            raise DataError(
+                f"the dataset has {idx.num_samples} samples: none left for training after val_fraction"
+            )
+        shortest = min(idx.lengths[i] for i in self.train_ids)
+        if cfg.max_seq_len < shortest:
+            raise ConfigError(
+                f"max_seq_len={cfg.max_seq_len} is smaller than the shortest document ({shortest} tokens): every "
+                f"sample would be truncated; use at least {math.ceil(shortest / 128) * 128}"
+            )
+        if cfg.max_seq_len < cfg.ttt_steps + 2:
+            raise ConfigError(
+                f"max_seq_len={cfg.max_seq_len} leaves nothing to supervise at ttt_steps={cfg.ttt_steps}"
+            )
+        if cfg.fsdp:
+            raise ConfigError("fsdp: true is not implemented in this trainer yet; use fsdp: false (DDP)")
+        if self.info.device.type == "cpu" and cfg.attention == "flex":
+            raise ConfigError(
+                "attention='flex' needs CUDA (flex_attention has no backward on CPU); use exact or auto"
+            )
+        if self.info.device.type == "cuda" and cfg.dtype == "fp32":
+            self.log("note: dtype fp32 on CUDA (no autocast); bf16 is faster and smaller")
+
+    def plan(self, epoch: int) -> EpochPlan:
+        if getattr(self, "_plan", None) is None or self._plan.epoch != epoch:
+            self._plan = plan_epoch(
+                self.train_ids,
+                self.reader.index.lengths,
+                max_seq_len=self.cfg.max_seq_len,
+                world_size=self.info.world_size,
+                seed=self.cfg.seed,
+                epoch=epoch,
+            )
+        return self._plan
+
+    def build_model(self) -> None:
+
+        cfg, idx, device = self.cfg, self.reader.index, self.info.device
+        self.drafter_config = drafter_config(cfg, idx)
+        dc = self.drafter_config
+        torch.manual_seed(cfg.seed)
+        model = Eagle3Drafter(self.drafter_config)
+        t2d, d2t = self.reader.vocab()
+        target = self.reader.target_weights()
+        model.load_target_weights(target["embed"], target["final_norm"], target["lm_head"], t2d, d2t)
+        self.model = model.to(device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        autocast_dtype = None
+        if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
+            autocast_dtype = torch.bfloat16
+        self.autocast_dtype = autocast_dtype
+        if device.type == "cuda" and autocast_dtype is not None:
+            self.model.frozen_to(autocast_dtype)  # frozen embedding and target heads in bf16: half the bytes
+        self.ttt_options = {
+            "ttt_steps": cfg.ttt_steps,
+            "gamma": cfg.ttt_gamma,
+            "activation_checkpointing": cfg.activation_checkpointing,
+            "loss_chunk_size": cfg.loss_chunk_size,
+            "attention": cfg.attention,
+        }
+        if self.info.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [device.index] if device.type == "cuda" else None
+            # ttt_forward calls model(batch, ...), so DDP's forward hooks run and gradients are all-reduced.
+            self.step_module = DDP(self.model, device_ids=ids, broadcast_buffers=False)
+        else:
+            self.step_module = self.model
+        fused = {"fused": True} if device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), **fused
+        )
+        steps_per_epoch = len(self.plan(0))
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.warmup_steps, self.total_steps)
+        )
+        n_train = sum(p.numel() for p in self.trainable)
+        n_frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
+        plan = self.plan(0)
+        self.log(
+            f"model: hidden {idx.hidden_size}, {dc.num_heads} heads x {dc.head_dim}, mlp {dc.intermediate_size}, "
+            f"draft vocab {idx.draft_vocab_size}/{idx.target_vocab_size}: {n_train / 1e6:.2f} M trainable, "
+            f"{n_frozen / 1e6:.2f} M frozen | device {device} x {self.info.world_size}, "
+            f"autocast {autocast_dtype or 'off'}, attention {cfg.attention}"
+        )
+        self.log(
+            f"data: {len(self.train_ids)} train / {len(self.val_ids)} val samples, {steps_per_epoch} steps/epoch at "
+            f"max_seq_len {cfg.max_seq_len} (fill {plan.fill:.0%}, {plan.truncated} truncated), "
+            f"total {self.total_steps} steps"
+        )
+
+    def resume(self) -> ckpt.TrainerState:
+        cfg = self.cfg
+        fresh = ckpt.TrainerState(
+            step=0, epoch=0, step_in_epoch=0, samples_seen=0, world_size=self.info.world_size,
+            max_seq_len=cfg.max_seq_len, seed=cfg.seed,
+        )  # fmt: skip
+        path = ckpt.newest_valid(cfg.run_dir)
+        if path is None:
+            return fresh
+        state = ckpt.read_state(path)
+        weights = ckpt.load_model_state(path)
+        own = self.model.state_dict()
+        for key, value in weights.items():
+            if key not in own:
+                raise ConfigError(f"checkpoint {path} has {key!r}, which this model lacks; use a new run_dir")
+            if own[key].shape != value.shape:
+                raise ConfigError(
+                    f"checkpoint {path}: {key} has shape {list(value.shape)} but the model built from this config "
+                    f"has {list(own[key].shape)}; the shape options changed, use a new run_dir"
+                )
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in weights]
+        if missing:
+            raise ConfigError(f"checkpoint {path} lacks trainable weights {missing[:3]}; use a new run_dir")
+        self.model.load_state_dict(weights, strict=False)
+        opt = ckpt.load_optimizer_state(path)
+        self.optimizer.load_state_dict(opt["optimizer"])
+        self.scheduler.load_state_dict(opt["scheduler"])
+        ckpt.restore_rng(path, self.info.rank)
+        changed = [
+            f"{k} {getattr(state, k)} -> {v}"
+            for k, v in (
+                ("world_size", self.info.world_size),
+                ("max_seq_len", cfg.max_seq_len),
+                ("seed", cfg.seed),
+            )
+            if getattr(state, k) != v
+        ]
+        if changed and state.step_in_epoch:
+            # The epoch plan depends on these; continuing mid-epoch with a new plan may repeat or skip samples.
+            self.log(
+                f"warning: {', '.join(changed)} since the checkpoint: the rest of epoch {state.epoch} is re-planned"
+            )
+        if state.step_in_epoch >= len(self.plan(state.epoch)):
+            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        state.world_size, state.max_seq_len, state.seed = self.info.world_size, cfg.max_seq_len, cfg.seed
+        self.log(
+            f"resumed from {path} at step {state.step} (epoch {state.epoch}, step {state.step_in_epoch} in epoch)"
+        )
+        return state
+
+    # ----------------------------------------------------------------------------------- pieces
+    def fetch_row(self, sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
+        """This rank's packed row; (row, real). An empty assignment becomes a zero-weight filler row."""
+        real = bool(sample_ids)
+        ids = sample_ids if real else [filler_id]
+        samples = [self.reader.sample(i, self.cfg.max_seq_len) for i in ids]
+        row = build_row(samples, self.cfg.max_seq_len, self.reader.index.hidden_size)
+        if not bool(row["loss_mask"].any()):
+            real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
+        return row, real
+
+    def to_device(self, row: dict) -> dict:
+        non_blocking = self.info.device.type == "cuda"
+        return {k: v.to(self.info.device, non_blocking=non_blocking) for k, v in row.items()}
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.info.device.type, dtype=self.autocast_dtype)
+
+    def sync(self) -> None:
+        if self.info.device.type == "cuda":
+            torch.cuda.synchronize(self.info.device)
+
+    def save_checkpoint(self, state: ckpt.TrainerState) -> Path | None:
+        self.files.update_status(phase="checkpointing")
+        tmp = ckpt.tmp_dir_for(self.cfg.run_dir, state.step)
+        if self.info.is_main:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist_utils.barrier(self.info)
+        ckpt.write_rng(tmp, self.info.rank)
+        if self.info.is_main:
+            ckpt.write_main(
+                tmp,
+                ckpt.trainable_state(self.model),
+                self.optimizer,
+                self.scheduler,
+                state,
+                self.cfg.to_dict(),
+            )
+        dist_utils.barrier(self.info)
+        final = None
+        if self.info.is_main:
+            final = ckpt.finalize(self.cfg.run_dir, state.step, self.cfg.keep_checkpoints)
+            self.files.update_status(last_checkpoint_step=state.step)
+            self.log(f"checkpoint: {final}")
+        dist_utils.barrier(self.info)
+        return final
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict | None:
+        if not self.val_ids:
+            return None
+        self.files.update_status(phase="validating")
+        self.model.eval()
+        plan = plan_epoch(
+            self.val_ids, self.reader.index.lengths, max_seq_len=self.cfg.max_seq_len,
+            world_size=self.info.world_size, seed=self.cfg.seed, epoch=0, shuffle=False,
+        )  # fmt: skip
+        acc = StatAccumulator(self.cfg.ttt_steps)
+        for assignment in plan.steps:
+            ids = assignment[self.info.rank]
+            if not ids:
+                continue
+            row, real = self.fetch_row(ids, ids[0])
+            if not real:
+                continue
+            with self.autocast():
+                _, stats = ttt_forward(self.model, self.to_device(row), **self.ttt_options)
+            acc.add_stats(stats)
+        reduced = dist_utils.all_reduce(acc.stats.flatten(), self.info).view_as(acc.stats)
+        self.model.train()
+        summary = summarize(reduced)
+        val = {
+            "step": step,
+            "loss": mean_loss(summary),
+            "loss_per_step": summary["loss"],
+            "full_acc": summary["full_acc"],
+            "cond_acc": summary["cond_acc"],
+            "full_acc_true": summary["full_acc_true"],
+            "cond_acc_true": summary["cond_acc_true"],
+            "positions": summary["count"][0],
+        }
+        self.log(
+            f"val step {step}: loss {val['loss']:.4f} full_acc "
+            + " ".join(f"{v:.3f}" for v in summary["full_acc"] if v is not None)
+            + f" (true {summary['full_acc_true'][0]:.3f}) over {int(val['positions'])} positions"
+        )
+        return val
+
+    # ----------------------------------------------------------------------------------- loop
+    def train(self) -> int:
+        cfg, info = self.cfg, self.info
+        state = self.resume()
+        resumed_from = state.step if state.step else None
+        self.files.update_status(
+            phase="training", step=state.step, epoch=state.epoch, steps_per_epoch=self.steps_per_epoch,
+            max_steps=self.total_steps, max_seq_len=cfg.max_seq_len, world_size=info.world_size,
+            resumed_from_step=resumed_from, mem_kind="cuda" if info.device.type == "cuda" else "rss",
+        )  # fmt: skip
+        acc = StatAccumulator(cfg.ttt_steps)
+        window_start = time.perf_counter()
+        record_file = None
+        if cfg.record_samples:
+            record_file = (Path(cfg.run_dir) / f"samples_rank{info.rank}.jsonl").open("a")
+        self.model.train()
+        stopped = False
+        while state.step < self.total_steps:
+            plan = self.plan(state.epoch)
+            sample_ids = plan.steps[state.step_in_epoch][info.rank]
+            filler = plan.steps[0][0][0]
+
+            t0 = time.perf_counter()
+            row, real = self.fetch_row(sample_ids, filler)
+            tokens = int((row["document_ids"] >= 0).sum()) if real else 0
+            batch = self.to_device(row)
+            self.sync()
+            t1 = time.perf_counter()
+            with self.autocast():
+                loss, stats = ttt_forward(self.step_module, batch, **self.ttt_options)
+            if not real:
+                loss = loss * 0.0
+            self.sync()
+            t2 = time.perf_counter()
+            loss.backward()
+            self.sync()
+            t3 = time.perf_counter()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.sync()
+            t4 = time.perf_counter()
+            del loss, batch
+
+            if real:
+                acc.add_stats(stats)
+            acc.add_scalars(
+                tokens=tokens,
+                rows=1 if real else 0,
+                steps=1,
+                fetch=t1 - t0,
+                fwd=t2 - t1,
+                bwd=t3 - t2,
+                opt=t4 - t3,
+            )
+            if record_file is not None:
+                record_file.write(
+                    f'{{"step": {state.step + 1}, "epoch": {state.epoch}, "ids": {list(sample_ids)}}}\n'
+                )
+                record_file.flush()
+            state.step += 1
+            state.step_in_epoch += 1
+            state.samples_seen += len(sample_ids)
+            if state.step_in_epoch >= len(plan):
+                state.epoch, state.step_in_epoch = state.epoch + 1, 0
+
+            # Step boundary: one collective carries the stop flag (and the metrics at log steps).
+            is_log = state.step % cfg.log_every == 0 or state.step >= self.total_steps
+            stop_now = self.reduce_boundary(acc, state, is_log, window_start)
+            if is_log:
+                acc.reset()
+                window_start = time.perf_counter()
+
+            last = state.step >= self.total_steps
+            # A stop request skips validation: systemd gives the unit a bounded time to exit.
+            due_val = not stop_now and (last or (cfg.val_every > 0 and state.step % cfg.val_every == 0))
+            val = self.validate(state.step) if due_val else None
+            improved = self.note_validation(val, state)
+            if last or stop_now or improved or state.step % cfg.checkpoint_every == 0:
+                path = self.save_checkpoint(state)
+                if improved and path is not None:
+                    ckpt.save_best(cfg.run_dir, path)
+            self.files.update_status(phase="training")
+            if stop_now:
+                stopped = True
+                self.log(f"stopped cleanly at step {state.step} ({self.stop.signal_name or 'another rank'})")
+                break
+
+        if record_file is not None:
+            record_file.close()
+        self.files.update_status(phase="stopped" if stopped else "done", step=state.step, epoch=state.epoch)
+        self.log(f"{'stopped' if stopped else 'done'}: step {state.step}, {time.time() - self.started:.0f}s")
+        return EXIT_OK
+
+    def note_validation(self, val: dict | None, state: ckpt.TrainerState) -> bool:
+        if val is None:
+            return False
+        self.files.update_status(val=val)
+        if self.info.is_main:
+            self.files.append_metrics({"kind": "val", **val})
+        loss = val["loss"]
+        if loss is not None and (state.best_val_loss is None or loss < state.best_val_loss):
+            state.best_val_loss, state.best_step = loss, state.step
+            return True
+        return False
+
+    def reduce_boundary(
+        self, acc: StatAccumulator, state: ckpt.TrainerState, is_log: bool, window_start: float
+    ) -> bool:
+        """The step boundary collective: SUM over [stop flag, stats, scalars, per-rank memory and checksum slots]."""
+        info = self.info
+        stop = 1.0 if self.stop.requested else 0.0
+        if not is_log:
+            return dist_utils.any_rank(bool(stop), info)
+        mem_gb, mem_kind = peak_memory_gb(info.device)
+        slots = torch.zeros(2, info.world_size, dtype=torch.float64)  # [2, W] memory, parameter checksum
+        slots[0, info.rank] = mem_gb
+        if info.enabled:
+            slots[1, info.rank] = dist_utils.param_checksum(self.model)
+        flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten()])
+        flat = dist_utils.all_reduce(flat, info)
+        stop_now = bool(flat[0] > 0)
+        n_stats = acc.stats.numel()
+        stats = flat[1 : 1 + n_stats].view_as(acc.stats)
+        scalars = dict(
+            zip(SCALAR_SUM_KEYS, flat[1 + n_stats : 1 + n_stats + len(SCALAR_SUM_KEYS)].tolist(), strict=True)
+        )
+        slots = flat[1 + n_stats + len(SCALAR_SUM_KEYS) :].view(2, info.world_size)
+        if not info.is_main:
+            return stop_now
+        wall = time.perf_counter() - window_start
+        steps = max(1.0, scalars["steps"] / info.world_size)
+        summary = summarize(stats)
+        step_time = wall / steps
+        remaining = self.total_steps - state.step
+        record = {
+            "kind": "train",
+            "step": state.step,
+            "epoch": state.epoch,
+            "max_steps": self.total_steps,
+            "lr": self.scheduler.get_last_lr()[0],
+            "loss": mean_loss(summary),
+            "loss_per_step": summary["loss"],
+            "full_acc": summary["full_acc"],
+            "cond_acc": summary["cond_acc"],
+            "full_acc_true": summary["full_acc_true"],
+            "cond_acc_true": summary["cond_acc_true"],
+            "positions": summary["count"],
+            "tokens": scalars["tokens"],
+            "tokens_per_s": scalars["tokens"] / wall,
+            "tokens_per_s_per_rank": scalars["tokens"] / wall / info.world_size,
+            "step_time_s": step_time,
+            "time_split": {k: scalars[k] / info.world_size / steps for k in TIMER_KEYS},
+            "peak_mem_gb": float(slots[0].max()),
+            "peak_mem_gb_per_rank": slots[0].tolist(),
+            "mem_kind": mem_kind,
+            "param_checksums": slots[1].tolist() if info.enabled else None,
+            "eta_s": remaining * step_time,
+            "world_size": info.world_size,
+        }
+        for k, v in enumerate(summary["full_acc"]):
+            record[f"full_acc_{k}"] = v
+            record[f"cond_acc_{k}"] = summary["cond_acc"][k]
+        print(console_line(record), flush=True)
+        self.files.append_metrics(record)
+        self.files.update_status(
+            step=state.step, epoch=state.epoch, loss=record["loss"], full_acc_0=record["full_acc_0"],
+            tokens_per_s=record["tokens_per_s"], tokens_per_s_per_rank=record["tokens_per_s_per_rank"],
+            step_time_s=step_time, time_split=record["time_split"], peak_mem_gb=record["peak_mem_gb"],
+            mem_kind=mem_kind, eta_s=record["eta_s"],
+        )  # fmt: skip
+        return stop_now
+
+
+# --------------------------------------------------------------------------------------- entry point
+def _config_error_status(run_dir: str | None, message: str, max_seq_len: int | None) -> None:
+    if not run_dir or dist_utils.env_rank()[0] != 0:
+        return
+    try:
+        files = RunFiles(run_dir)
+        files.run_dir.mkdir(parents=True, exist_ok=True)
+        files.update_status(phase="failed", max_seq_len=max_seq_len or 0,
+                            error={"kind": "config", "message": message, "max_seq_len": max_seq_len or 0})  # fmt: skip
+    except OSError:
+        pass
+
+
+def _raw_value(argv: list[str], config_path: str | None, key: str) -> str | None:
+    """Best effort: a key's raw value when the config failed validation (to place status.json)."""
+    flag = "--" + key.replace("_", "-")
+    for i, arg in enumerate(argv):
+        if arg in (flag, "--" + key) and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith((flag + "=", f"--{key}=")):
+            return arg.split("=", 1)[1]
+    if config_path:
+        try:
+            import yaml
+
+            data = yaml.safe_load(Path(config_path).read_text())
+            if isinstance(data, dict) and data.get(key) is not None:
+                return str(data[key])
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m eagle3 train --config FILE [--key value ...]`: returns the process exit code."""
+    config_path = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            config_path = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            config_path = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    try:
+        cfg = load_config(config_path, rest)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        raw_len = _raw_value(rest, config_path, "max_seq_len")
+        _config_error_status(
+            _raw_value(rest, config_path, "run_dir"),
+            str(e),
+            int(raw_len) if (raw_len or "").isdigit() else None,
+        )
+        return EXIT_CONFIG
+
+    rank = dist_utils.env_rank()[0]
+    files = RunFiles(cfg.run_dir, enabled=rank == 0)
+    files.status["max_seq_len"] = cfg.max_seq_len
+
+    def record_error(kind: str, message: str) -> None:
+        # Any rank may record an OOM (the others only see a broken collective); rank 0 records the rest.
+        if rank != 0 and kind != "oom":
+            return
+        if rank == 0 and kind == "crash" and _recent_oom(files, since=started_at):
+            return
+        files.enabled = True
+        files.update_status(
+            phase="failed", error={"kind": kind, "message": message, "max_seq_len": cfg.max_seq_len}
+        )
+
+    started_at = time.time()
+    stop = StopRequested(lambda name: _second_signal(files, name, rank))
+    stop.install()
+    info = None
+    try:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        dist_utils.set_cuda_alloc_conf()
+        device = dist_utils.resolve_device(cfg.device, dist_utils.env_rank()[2])
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA device; use device: auto or cpu")
+        apply_memory_limit(cfg.memory_limit_gb, device)
+        hold_standin_device(cfg.standin_gpu_devices, rank)
+        if rank == 0:
+            ckpt.remove_stale(cfg.run_dir)
+            dump_config(cfg, cfg.run_dir)
+            files.update_status(phase="starting")
+        trainer_info = dist_utils.init(cfg.device)
+        info = trainer_info
+        trainer = Trainer(cfg, info, files, stop)
+        trainer.check_data()
+        if info.device.type == "cuda" and dist_utils.expandable_segments_active() is False:
+            trainer.log(
+                "warning: expandable_segments is not active in the CUDA allocator (PYTORCH_ALLOC_CONF)"
+            )
+        trainer.build_model()
+        return trainer.train()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        record_error("config", str(e))
+        return EXIT_CONFIG
+    except BaseException as e:
+        if isinstance(e, SystemExit | KeyboardInterrupt) and not is_oom(e):
+            raise
+        if is_oom(e):
+            message = f"out of memory at max_seq_len={cfg.max_seq_len}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}"
+            # Drop the exception's frames (they pin tensors) before touching memory again.
+            e.__traceback__ = None
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            print(
+                f"OOM: {message}; lower max_seq_len or enable activation_checkpointing",
+                file=sys.stderr,
+                flush=True,
+            )
+            record_error("oom", message)
+            return EXIT_OOM
+        traceback.print_exc()
+        record_error("crash", f"{type(e).__name__}: {e}"[:2000])
+        return EXIT_CRASH
+    finally:
+        if info is not None:
+            with contextlib.suppress(Exception):
+                dist_utils.shutdown(info)
+
+
+def _recent_oom(files: RunFiles, since: float) -> bool:
+    """Whether another rank of this run already recorded an OOM in status.json."""
+    import json
+
+    try:
+        status = json.loads((files.run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return False
+    error = status.get("error") or {}
+    return error.get("kind") == "oom" and status.get("updated", 0) >= since
+
+
+def _second_signal(files: RunFiles, name: str, rank: int) -> None:
+    print(f"second {name}: exiting at once without a checkpoint", flush=True)
+    if rank == 0:
+        with contextlib.suppress(Exception):
+            files.update_status(phase="failed", error={"kind": "crash", "message": f"second {name}: exited at once "
+                                "without a checkpoint", "max_seq_len": files.status.get("max_seq_len", 0)})  # fmt: skip
