@@ -13,9 +13,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers.jobs import MARKER, devices, jobs  # noqa: F401  (pytest fixtures)
+from helpers import jobs as job_fixtures
 
 from module_utils import procs
+
+MARKER = job_fixtures.MARKER
+jobs = job_fixtures.jobs  # pytest fixtures: started helpers are reaped by identity
+devices = job_fixtures.devices
+
 
 FAST = procs.Budget(term=3, kill=3, stop=1, total=20)
 
@@ -232,7 +237,9 @@ esac
         ("loaded", "active", "5", "active", False, True),  # overruns its bound: reported, not waited for
     ],
 )
-def test_stop_unit_through_systemctl(tmp_path, monkeypatch, load, state, delay, expect_state, expect_stopped, stop_called):
+def test_stop_unit_through_systemctl(
+    tmp_path, monkeypatch, load, state, delay, expect_state, expect_stopped, stop_called
+):
     fake = tmp_path / "systemctl"
     fake.write_text(FAKE_SYSTEMCTL)
     fake.chmod(0o755)
@@ -248,7 +255,9 @@ def test_stop_unit_through_systemctl(tmp_path, monkeypatch, load, state, delay, 
     assert time.monotonic() - started < 3
     assert (out["state"], out["stopped"]) == (expect_state, expect_stopped)
     assert ("stop eagle3-train.service" in (tmp_path / "log").read_text()) == stop_called
-    no_systemd = procs.stop_unit("eagle3-train.service", 1.0, systemctl=str(fake), run_dir=str(tmp_path / "none"))
+    no_systemd = procs.stop_unit(
+        "eagle3-train.service", 1.0, systemctl=str(fake), run_dir=str(tmp_path / "none")
+    )
     assert no_systemd["state"] == "no-systemd"
 
 
@@ -261,7 +270,9 @@ def test_prestart_guard_cli(jobs, devices):
     ok = run_guard("holders", "--devices", *devices.globs)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     holder = jobs.start("--hold", devices["nvidia0"], "--name", "pt_data_worker", marker=None)
-    busy = run_guard("holders", "--devices", *devices.globs, "--exclude-cgroup-of-unit", "eagle3-train.service")
+    busy = run_guard(
+        "holders", "--devices", *devices.globs, "--exclude-cgroup-of-unit", "eagle3-train.service"
+    )
     assert busy.returncode == 1
     assert f"pid={holder.pid()} name=pt_data_worker paths={devices['nvidia0']}" in busy.stdout
     allowed = run_guard("holders", "--devices", *devices.globs, "--protect", "pt_data_*")
