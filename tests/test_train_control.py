@@ -1,0 +1,280 @@
+"""The pieces train.yml relies on around the trainer: the run lock, the health verdicts, the unit's exit
+status (eagle3.launch), and the reproducible trainer package."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ansible.module_utils.testing import patch_module_args
+
+from module_utils import train_status
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_module(name: str, args: dict, capsys) -> tuple[dict, int]:
+    mod = load(ROOT / "library" / f"{name}.py", f"lib_{name}")
+    with patch_module_args(args), pytest.raises(SystemExit) as exc:
+        mod.main()
+    return json.loads(capsys.readouterr().out), exc.value.code
+
+
+# --- target_lock -----------------------------------------------------------------------------------------
+
+
+def test_lock_is_taken_released_and_only_by_its_owner(tmp_path, capsys):
+    lock = str(tmp_path / "lock")
+    res, rc = run_module("target_lock", {"path": lock, "owner": "run-a", "purpose": "train.yml"}, capsys)
+    assert rc == 0 and res["changed"] and json.loads(Path(lock).read_text())["owner"] == "run-a"
+    # Another owner cannot release it...
+    res, rc = run_module("target_lock", {"path": lock, "owner": "run-b", "state": "released"}, capsys)
+    assert rc == 0 and not res["changed"] and os.path.exists(lock)
+    # ...the owner can.
+    res, rc = run_module("target_lock", {"path": lock, "owner": "run-a", "state": "released"}, capsys)
+    assert rc == 0 and res["changed"] and not os.path.exists(lock)
+
+
+def test_second_run_waits_then_fails_naming_the_holder(tmp_path, capsys):
+    lock = str(tmp_path / "lock")
+    run_module(
+        "target_lock", {"path": lock, "owner": "run-a", "purpose": "train.yml max_seq_len=16384"}, capsys
+    )
+    t0 = time.monotonic()
+    res, rc = run_module("target_lock", {"path": lock, "owner": "run-b", "wait": 1}, capsys)
+    assert rc == 1 and time.monotonic() - t0 >= 1
+    assert "train.yml max_seq_len=16384" in res["msg"] and "run-a" in res["msg"]
+
+
+def test_second_run_gets_the_lock_when_the_first_releases_it(tmp_path, capsys):
+    lock = str(tmp_path / "lock")
+    run_module("target_lock", {"path": lock, "owner": "run-a"}, capsys)
+    threading.Timer(0.7, os.unlink, [lock]).start()
+    res, rc = run_module("target_lock", {"path": lock, "owner": "run-b", "wait": 10}, capsys)
+    assert rc == 0 and res["changed"] and res["waited"] >= 0.5
+
+
+def test_stale_lock_is_taken_over_with_a_warning(tmp_path, capsys):
+    lock = tmp_path / "lock"
+    lock.write_text(json.dumps({"owner": "dead-run", "since": time.time() - 10_000}))
+    res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-b", "stale_after": 3600}, capsys)
+    assert rc == 0 and json.loads(lock.read_text())["owner"] == "run-b"
+    assert "stale" in json.dumps(res.get("warnings", []))
+
+
+# --- health verdicts ---------------------------------------------------------------------------------------
+
+STARTED = 1000.0
+
+
+def status(**kw):
+    return {
+        "phase": "training",
+        "step": 0,
+        "resumed_from_step": 0,
+        "updated": STARTED + 5,
+        "error": None,
+        **kw,
+    }
+
+
+@pytest.mark.parametrize(
+    ("st", "unit", "kind"),
+    [
+        (None, {"ActiveState": "activating"}, "waiting"),
+        (status(step=2), {"ActiveState": "active"}, "waiting"),
+        (status(step=3), {"ActiveState": "active"}, "healthy"),
+        # resumed at 100: 3 steps of this run are needed, not step >= 3
+        (status(step=102, resumed_from_step=100), {"ActiveState": "active"}, "waiting"),
+        (status(step=103, resumed_from_step=100), {"ActiveState": "active"}, "healthy"),
+        # a previous run's healthy status does not count for this one
+        (status(step=500, updated=STARTED - 60), {"ActiveState": "active"}, "waiting"),
+        (status(phase="done", step=40), {"ActiveState": "inactive", "Result": "success"}, "done"),
+        (
+            status(phase="failed", error={"kind": "oom", "message": "x", "max_seq_len": 32768}),
+            {"ActiveState": "failed"},
+            "oom",
+        ),
+        (
+            status(phase="failed", error={"kind": "config", "message": "bad key"}),
+            {"ActiveState": "failed"},
+            "config",
+        ),
+        (
+            status(phase="failed", error={"kind": "crash", "message": "boom"}),
+            {"ActiveState": "activating"},
+            "crash",
+        ),
+        (None, {"ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "1"}, "crash"),
+        (status(phase="stopped", step=7), {"ActiveState": "inactive", "Result": "success"}, "stopped"),
+    ],
+)
+def test_verdicts(st, unit, kind):
+    assert train_status.verdict(st, unit, min_steps=3, started_at=STARTED)[0] == kind
+
+
+def test_oom_message_names_the_length_that_failed():
+    st = status(phase="failed", error={"kind": "oom", "message": "CUDA out of memory", "max_seq_len": 24576})
+    _kind, msg = train_status.verdict(st, {"ActiveState": "failed"}, min_steps=3, started_at=STARTED)
+    assert "max_seq_len=24576" in msg
+
+
+@pytest.fixture
+def fake_systemd(tmp_path, monkeypatch):
+    """systemctl/journalctl stand-ins that answer from files the test writes."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (tmp_path / "show").write_text(
+        "ActiveState=active\nSubState=running\nResult=success\nExecMainStatus=0\n"
+        "NRestarts=0\nExecMainStartTimestampMonotonic=0\nInvocationID=\n"
+    )
+    (bindir / "systemctl").write_text(f"#!/bin/sh\ncat {tmp_path}/show\n")
+    (bindir / "journalctl").write_text('#!/bin/sh\nfor i in $(seq 1 40); do echo "log line $i"; done\n')
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_train_health_returns_when_steps_are_done(fake_systemd, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "status.json").write_text(
+        json.dumps(status(step=4, updated=time.time() + 1, tokens_per_s=123.0))
+    )
+    res, rc = run_module(
+        "train_health", {"run_dir": str(run_dir), "min_steps": 3, "timeout": 5, "poll_interval": 0.1}, capsys
+    )
+    assert rc == 0 and res["verdict"] == "healthy" and res["status"]["tokens_per_s"] == 123.0
+
+
+def test_train_health_fails_on_crash_with_the_last_log_lines(fake_systemd, tmp_path, capsys):
+    (fake_systemd / "show").write_text(
+        "ActiveState=failed\nSubState=failed\nResult=exit-code\nExecMainStatus=1\n"
+    )
+    res, rc = run_module(
+        "train_health",
+        {"run_dir": str(tmp_path), "timeout": 5, "poll_interval": 0.1, "log_lines": 30},
+        capsys,
+    )
+    assert rc == 1 and res["verdict"] == "crash"
+    assert len(res["log"]) == 30 and res["log"][-1] == "log line 40"
+
+
+def test_train_health_times_out_saying_what_it_saw(fake_systemd, tmp_path, capsys):
+    (tmp_path / "status.json").write_text(json.dumps(status(step=1, updated=time.time() + 1)))
+    res, rc = run_module(
+        "train_health", {"run_dir": str(tmp_path), "timeout": 1, "poll_interval": 0.2}, capsys
+    )
+    assert rc == 1 and res["verdict"] == "timeout"
+    assert "not healthy after 1s" in res["msg"] and "step 1" in res["msg"]
+
+
+def test_train_health_rejects_nonpositive_timeout(tmp_path, capsys):
+    res, rc = run_module("train_health", {"run_dir": str(tmp_path), "timeout": 0}, capsys)
+    assert rc == 1 and "timeout must be positive" in res["msg"]
+
+
+# --- eagle3.launch: the unit's exit status -----------------------------------------------------------------
+
+
+def run_launch(tmp_path, child_body: str, signal_after: float | None = None):
+    """Run eagle3.launch around a fake torchrun that writes status.json like the trainer does."""
+    child = tmp_path / "fake_torchrun.py"
+    child.write_text(textwrap.dedent(child_body))
+    cmd = [
+        sys.executable,
+        "-m",
+        "eagle3.launch",
+        "--status",
+        str(tmp_path / "status.json"),
+        "--",
+        sys.executable,
+        str(child),
+        str(tmp_path / "status.json"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if signal_after is not None:
+        time.sleep(signal_after)
+        proc.terminate()
+    try:
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+WRITE = """
+import json, signal, sys, time
+def write(**kw):
+    json.dump({"updated": time.time(), **kw}, open(sys.argv[1], "w"))
+"""
+
+
+def test_launch_turns_a_graceful_sigterm_into_exit_0(tmp_path):
+    # torchrun exits 1 after SIGTERM even when every worker checkpointed: the trainer's "stopped" wins.
+    body = (
+        WRITE
+        + """
+def on_term(*_):
+    write(phase="stopped", step=7)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, on_term)
+write(phase="training", step=1)
+time.sleep(30)
+"""
+    )
+    rc, err = run_launch(tmp_path, body, signal_after=1.5)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize(("kind", "want"), [("oom", 3), ("config", 2), ("crash", 1)])
+def test_launch_maps_trainer_errors_to_exit_codes(tmp_path, kind, want):
+    body = (
+        WRITE
+        + f"""
+write(phase="failed", error={{"kind": "{kind}", "message": "x"}})
+sys.exit(1)
+"""
+    )
+    rc, _ = run_launch(tmp_path, body)
+    assert rc == want
+
+
+def test_launch_ignores_a_previous_runs_status(tmp_path):
+    (tmp_path / "status.json").write_text(json.dumps({"phase": "stopped", "updated": 1.0}))
+    rc, _ = run_launch(tmp_path, "import sys; sys.exit(1)\n")
+    assert rc == 1
+
+
+# --- the trainer package ---------------------------------------------------------------------------------
+
+
+def test_trainer_package_is_reproducible(tmp_path):
+    pack = load(ROOT / "roles" / "eagle3_train" / "files" / "pack_trainer.py", "pack_trainer")
+    a = pack.pack(str(ROOT / "training"), str(tmp_path / "a.tar"))
+    time.sleep(0.01)
+    b = pack.pack(str(ROOT / "training"), str(tmp_path / "b.tar"))
+    assert a == b and (tmp_path / "a.tar").read_bytes() == (tmp_path / "b.tar").read_bytes()
+    with tarfile.open(tmp_path / "a.tar") as tar:
+        names = tar.getnames()
+    assert "eagle3/__main__.py" in names and not any("__pycache__" in n for n in names)
