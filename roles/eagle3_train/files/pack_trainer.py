@@ -10,18 +10,19 @@ import io
 import os
 import sys
 import tarfile
+from pathlib import Path
 
 
 def pack(training_dir: str, out: str) -> str:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for rel in sorted(_files(training_dir)):
-            data = open(os.path.join(training_dir, rel), "rb").read()
+            data = Path(training_dir, rel).read_bytes()
             info = tarfile.TarInfo(rel)
             info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
             tar.addfile(info, io.BytesIO(data))
     blob = buf.getvalue()
-    if not os.path.exists(out) or open(out, "rb").read() != blob:
+    if not os.path.exists(out) or Path(out).read_bytes() != blob:
         tmp = out + ".tmp"
         with open(tmp, "wb") as f:
             f.write(blob)
