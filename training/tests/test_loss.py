@@ -1,0 +1,89 @@
+"""Chunked forward KL: same loss and gradients as the eager reference, without fp32 [N, V] at once."""
+
+from __future__ import annotations
+
+import doctest
+
+import eagle3.loss as loss_module
+import pytest
+import torch
+from eagle3.loss import chunked_kl, eager_kl
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _inputs(model, n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = model.fc.weight.dtype
+    hidden = torch.randn(n, model.cfg.hidden_size, generator=gen, dtype=dtype).requires_grad_()
+    target_hidden = torch.randn(n, model.cfg.hidden_size, generator=gen, dtype=dtype)
+    weight = (torch.rand(n, generator=gen) < 0.7).to(dtype) / n  # some positions unsupervised
+    return hidden, target_hidden, weight
+
+
+def test_docstring_examples_hold():
+    assert doctest.testmod(loss_module).failed == 0
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
+def test_chunked_matches_eager_loss_and_gradients(make_model, tiny_config, chunk_size):
+    model = make_model(tiny_config(train_lm_head=True), dtype=torch.float64)
+    hidden, target_hidden, weight = _inputs(model, 150)
+    params = [hidden, model.norm.weight, model.lm_head.weight]
+
+    ref_loss, ref_kl, ref_ids = eager_kl(model, hidden, target_hidden, weight)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    loss, kl, ids = chunked_kl(model, hidden, target_hidden, weight, chunk_size)
+    grads = torch.autograd.grad(loss, params)
+
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kl, ref_kl, rtol=1e-12, atol=1e-12)
+    assert torch.equal(ids, ref_ids)
+    for name, a, b in zip(["hidden", "norm.weight", "lm_head.weight"], grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14, msg=f"gradient of {name}")
+
+
+def test_kl_is_zero_when_draft_equals_target_and_positive_otherwise(make_model):
+    model = make_model(dtype=torch.float64)
+    with torch.no_grad():
+        model.norm.weight.copy_(model.verifier_norm.weight)
+        model.lm_head.weight.copy_(model.verifier_lm_head.weight)
+    hidden, _, weight = _inputs(model, 40)
+    _, kl_same, _ = eager_kl(model, hidden, hidden.detach(), weight)
+    _, kl_other, _ = eager_kl(model, hidden, hidden.detach().flip(0), weight)
+    assert kl_same.abs().max() < 1e-12
+    assert (kl_other > 0).all()
+
+
+class _LargestFloat32(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_never_holds_fp32_logits_for_all_positions(make_model):
+    model = make_model()
+    n, chunk, vocab = 600, 64, model.cfg.draft_vocab_size
+    hidden, target_hidden, weight = _inputs(model, n)
+    with _LargestFloat32() as chunked:
+        loss, _, _ = chunked_kl(model, hidden, target_hidden, weight, chunk)
+        loss.backward()
+    with _LargestFloat32() as eager:
+        loss, _, _ = eager_kl(model, hidden, target_hidden, weight)
+        loss.backward()
+    # Besides one chunk's logits, the largest fp32 tensors are the [N, H] activations and their gradient.
+    assert chunked.largest <= max(chunk * vocab, n * model.cfg.hidden_size) < n * vocab
+    assert eager.largest >= n * vocab  # the probe does see full-size logits when they exist
+
+
+def test_zero_chunk_size_is_refused_with_a_hint(make_model):
+    model = make_model()
+    hidden, target_hidden, weight = _inputs(model, 4)
+    with pytest.raises(ValueError, match="loss_chunk_size=0 must be at least 1"):
+        chunked_kl(model, hidden, target_hidden, weight, 0)
