@@ -1,0 +1,115 @@
+"""Export to the speculators format and back: same logits, the fields vLLM reads, clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eagle3.errors import ConfigError, DataError
+from eagle3.export import export_speculators, load_exported
+from eagle3.model import ttt_logits
+from safetensors import safe_open
+
+
+def _trained_a_little(make_model, make_row, cfg):
+    """A drafter whose trainable weights moved away from their initial values."""
+    model = make_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_round_trip_gives_the_same_logits(tmp_path, make_model, make_row, tiny_config):
+    cfg = tiny_config(norm_before_fc=True)
+    model = _trained_a_little(make_model, make_row, cfg)
+    export_speculators(model, tmp_path / "out", dtype=torch.float32, speculative_tokens=3)
+    loaded = load_exported(tmp_path / "out")
+    batch = make_row(cfg, [40, 23], seq_len=64)
+    torch.testing.assert_close(ttt_logits(loaded, batch, 3), ttt_logits(model, batch, 3), rtol=0, atol=0)
+    assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
+
+
+def test_bf16_export_is_close_and_keeps_the_vocab_maps_exact(tmp_path, make_model, make_row, tiny_config):
+    cfg = tiny_config()
+    model = _trained_a_little(make_model, make_row, cfg)
+    export_speculators(model, tmp_path / "out")  # bfloat16 by default, as vLLM serves it
+    batch = make_row(cfg, [64])
+    expected = ttt_logits(model, batch, 2)
+    got = ttt_logits(load_exported(tmp_path / "out"), batch, 2)
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+        assert f.get_tensor("d2t").dtype == torch.long and f.get_tensor("t2d").dtype == torch.bool
+
+
+def test_config_carries_what_vllm_reads(tmp_path, make_model, tiny_config):
+    cfg = tiny_config(aux_layer_ids=(2, 16, 29))
+    export_speculators(
+        make_model(cfg),
+        tmp_path,
+        speculative_tokens=5,
+        verifier_name_or_path="moonshotai/Kimi-K2.5",
+        verifier_architectures=["DeepseekV3ForCausalLM"],
+    )
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0] == {
+        "proposal_type": "greedy",
+        "speculative_tokens": 5,
+        "verifier_accept_k": 1,
+        "accept_tolerance": 0.0,
+    }
+    assert spec["verifier"] == {
+        "name_or_path": "moonshotai/Kimi-K2.5",
+        "architectures": ["DeepseekV3ForCausalLM"],
+    }
+    assert config["norm_before_residual"] is False  # vLLM assumes True when the key is absent
+    assert config["draft_vocab_size"] == 512 and config["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1
+    assert (layer["hidden_size"], layer["num_attention_heads"], layer["head_dim"]) == (64, 4, 16)
+    assert layer["vocab_size"] == 1024 and layer["intermediate_size"] == 128
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert not any(n.startswith("verifier") for n in names)  # the teacher is not part of the drafter
+    assert {
+        "fc.weight",
+        "layers.0.hidden_norm.weight",
+        "lm_head.weight",
+        "embed_tokens.weight",
+        "d2t",
+    } <= names
+
+
+def test_embedding_can_be_left_to_vllm(tmp_path, make_model):
+    export_speculators(make_model(), tmp_path, include_embed_tokens=False)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" not in set(f.keys())
+    assert load_exported(tmp_path).fc.weight.shape == (64, 192)
+
+
+def test_trainer_checkpoint_state_without_lm_head_is_refused_with_the_fix(tmp_path, make_model, tiny_config):
+    model = make_model()
+    trainable = {
+        n: p for n, p in model.state_dict().items() if n not in ("lm_head.weight", "embed_tokens.weight")
+    }
+    with pytest.raises(DataError, match=r"lack \['lm_head.weight'\].*load_target_weights"):
+        export_speculators(trainable, tmp_path, cfg=tiny_config())
+    with pytest.raises(ConfigError, match="without cfg"):
+        export_speculators(trainable, tmp_path)
+
+
+def test_loading_refuses_what_this_drafter_cannot_run(tmp_path, make_model):
+    export_speculators(make_model(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["norm_before_residual"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="norm_before_residual=absent"):
+        load_exported(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_exported(tmp_path / "nowhere")

@@ -1,0 +1,143 @@
+"""Drafter config, parameter names, frozen parts and target weights."""
+
+from __future__ import annotations
+
+import doctest
+
+import eagle3.model as model_module
+import pytest
+import torch
+from eagle3.errors import ConfigError, DataError
+from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
+
+SPECULATORS_NAMES = {
+    "embed_tokens.weight",
+    "fc.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "verifier_norm.weight",
+    "verifier_lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+def test_docstring_examples_hold():
+    assert doctest.testmod(model_module).failed == 0
+
+
+def test_state_dict_uses_speculators_names_and_shapes(tiny_config):
+    cfg = tiny_config(hidden_size=64, num_heads=2, head_dim=24)  # heads * head_dim != hidden, as for Kimi
+    state = Eagle3Drafter(cfg).state_dict()
+    assert set(state) == SPECULATORS_NAMES
+    assert state["fc.weight"].shape == (64, 192)
+    assert state["layers.0.self_attn.q_proj.weight"].shape == (48, 128)  # 2H input
+    assert state["layers.0.self_attn.o_proj.weight"].shape == (64, 48)
+    assert state["lm_head.weight"].shape == (512, 64)
+    assert (
+        state["d2t"].dtype == torch.long
+        and state["t2d"].dtype == torch.bool
+        and state["t2d"].shape == (1024,)
+    )
+    assert "input_norm.weight" in Eagle3Drafter(tiny_config(norm_before_fc=True)).state_dict()
+
+
+def test_only_the_drafter_body_trains_and_frozen_parts_get_no_gradient(make_model, make_row, tiny_config):
+    cfg = tiny_config()
+    model = make_model(cfg)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {
+        "embed_tokens.weight",
+        "verifier_norm.weight",
+        "verifier_lm_head.weight",
+        "lm_head.weight",
+    }
+    loss, _ = ttt_forward(model, make_row(cfg, [30]), ttt_steps=2)
+    loss.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n in frozen)
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n not in frozen
+    )
+    trainable = make_model(tiny_config(train_lm_head=True))
+    assert trainable.lm_head.weight.requires_grad
+
+
+def test_target_weights_land_where_the_teacher_reads_them(make_model, random_target, tiny_config):
+    cfg = tiny_config()
+    target = random_target(cfg, seed=7)
+    model = Eagle3Drafter(cfg)
+    model.load_target_weights(**target)
+    assert torch.equal(model.verifier_lm_head.weight, target["lm_head"][target["t2d"]])
+    assert torch.equal(model.lm_head.weight, model.verifier_lm_head.weight)  # starts at the target's rows
+    assert torch.equal(model.embed_tokens.weight, target["embed"])
+    ids = torch.arange(cfg.draft_vocab_size)
+    assert torch.equal(ids + model.d2t[ids], torch.nonzero(model.t2d).flatten())
+    # The true target argmax (whole vocab) from the kept rows equals a plain argmax over the full head.
+    y = torch.randn(50, cfg.hidden_size)
+    _, true_ids = model.target_token_ids(y)
+    assert torch.equal(true_ids, (model.verifier_norm(y) @ target["lm_head"].T).argmax(-1))
+
+
+def test_target_weights_of_another_shape_are_refused(random_target, tiny_config):
+    cfg = tiny_config()
+    target = random_target(tiny_config(hidden_size=96))
+    with pytest.raises(DataError, match=r"target weight embed has shape \[1024, 96\], expected \[1024, 64\]"):
+        Eagle3Drafter(cfg).load_target_weights(**target)
+    target = random_target(cfg)
+    target["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+    with pytest.raises(DataError, match="vocab mapping mismatch"):
+        Eagle3Drafter(cfg).load_target_weights(**target)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"draft_vocab_size": 2048},
+            "draft_vocab_size=2048 is larger than target_vocab_size=1024; .* use at most 1024",
+        ),
+        ({"hidden_size": 0}, "hidden_size=0 must be a positive integer"),
+        ({"head_dim": 15}, "head_dim=15 must be even"),
+        ({"aux_layer_ids": (1, 1, 2)}, r"aux_layer_ids=\(1, 1, 2\) must be 3 distinct"),
+        ({"aux_layer_ids": (1, 2)}, "aux_layer_ids=.* must be 3 distinct"),
+        ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be positive"),
+    ],
+)
+def test_bad_config_names_key_value_and_expectation(tiny_config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(**overrides).validate()
+    with pytest.raises(ConfigError, match=message):
+        Eagle3Drafter(tiny_config(**overrides))
+
+
+def test_config_round_trips_through_a_dict_and_refuses_unknown_keys(tiny_config):
+    cfg = tiny_config(norm_before_fc=True, rope_theta=500000.0)
+    data = cfg.to_dict()
+    assert data["aux_layer_ids"] == [1, 3, 5]
+    assert DrafterConfig.from_dict(data) == cfg
+    with pytest.raises(ConfigError, match=r"unknown drafter config key\(s\) \['num_layers'\]"):
+        DrafterConfig.from_dict({**data, "num_layers": 2})
+    with pytest.raises(ConfigError, match=r"missing \['hidden_size'\]"):
+        DrafterConfig.from_dict({k: v for k, v in data.items() if k != "hidden_size"})
+
+
+def test_bf16_frozen_weights_stay_close_to_fp32(make_model, make_row, tiny_config):
+    # Frozen embedding and target heads in bf16 halve their bytes; the loss moves by well under 1 %.
+    cfg = tiny_config()
+    batch = make_row(cfg, [100, 60], seq_len=160, mask_prob=0.8)
+    with torch.no_grad():
+        loss32, _ = ttt_forward(make_model(cfg), batch, ttt_steps=3)
+        model16 = make_model(cfg).frozen_to(torch.bfloat16)
+        loss16, _ = ttt_forward(model16, batch, ttt_steps=3)
+    assert model16.embed_tokens.weight.dtype == torch.bfloat16 and model16.fc.weight.dtype == torch.float32
+    assert abs(float(loss16) - float(loss32)) / float(loss32) < 1e-2
