@@ -96,6 +96,16 @@ def spawn_worker(args, index: int) -> int:
     return 0  # not reached
 
 
+def wait_recorded(args, count: int) -> None:
+    """Wait (at most 10 s) until ``count`` workers and grandchildren have recorded themselves."""
+    deadline = time.monotonic() + 10
+    while args.pidfile and time.monotonic() < deadline:
+        with open(args.pidfile) as f:
+            if sum(line.startswith(("worker", "grandchild")) for line in f) >= count:
+                return
+        time.sleep(0.01)
+
+
 def idle() -> None:
     while True:
         signal.pause()
@@ -126,6 +136,7 @@ def agent(args) -> None:
     if args.agent_name:
         rename(args.agent_name)
     record(args, "agent")
+    wait_recorded(args, args.workers * (2 if args.grandchild else 1))
     touch(args.ready)
     while True:
         try:
@@ -171,6 +182,10 @@ def main() -> None:
         if os.fork():
             record(args, "mid")  # recorded so that the test can reap it
             os._exit(0)
+        # Let go of the launcher's stdio (an Ansible command task waits for its pipes to close).
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
     if args.workers:
         agent(args)
     set_up(args, "main")
