@@ -43,7 +43,9 @@ class TrainerState:
 
 
 def step_dir_name(step: int) -> str:
-    """>>> step_dir_name(120)
+    """Name of the directory of a step checkpoint.
+
+    >>> step_dir_name(120)
     'step_00000120'
     """
     return f"step_{step:08d}"

@@ -76,7 +76,7 @@ def load_trained(run_dir: str, which: str = "best"):
     model.load_target_weights(target["embed"], target["final_norm"], target["lm_head"], t2d, d2t)
     model.load_state_dict(ckpt.load_model_state(path), strict=False)
     model.eval()
-    return model, path
+    return model, path, cfg
 
 
 def cmd_export(argv: list[str]) -> int:
@@ -84,11 +84,12 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.add_argument("--checkpoint", default="best", help="best (default), latest, or a checkpoint directory")
+    p.add_argument("--verifier", default=None, help="the target model's name or path, recorded for vLLM")
     args = p.parse_args(argv)
     from eagle3.export import export_speculators
 
-    model, path = load_trained(args.run_dir, args.checkpoint)
-    export_speculators(model, args.out_dir)
+    model, path, cfg = load_trained(args.run_dir, args.checkpoint)
+    export_speculators(model, args.out_dir, speculative_tokens=cfg.ttt_steps, verifier_name_or_path=args.verifier)
     print(f"exported {path} -> {args.out_dir}", flush=True)
     return EXIT_OK
 

@@ -101,7 +101,9 @@ def peak_memory_gb(device: torch.device) -> tuple[float, str]:
 
 
 def format_duration(seconds: float | None) -> str:
-    """>>> format_duration(3725)
+    """Short human duration for the ETA.
+
+    >>> format_duration(3725)
     '1h02m'
     >>> format_duration(95)
     '1m35s'

@@ -20,7 +20,9 @@ _HELD: list[object] = []
 
 
 def pick_device(paths: list[str], rank: int) -> str:
-    """>>> pick_device(["/dev/nvidia0", "/dev/nvidia1"], 3)
+    """The stand-in device of a rank: entry rank % len(paths).
+
+    >>> pick_device(["/dev/nvidia0", "/dev/nvidia1"], 3)
     '/dev/nvidia1'
     """
     return paths[rank % len(paths)]

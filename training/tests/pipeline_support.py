@@ -1,0 +1,108 @@
+"""Helpers for the pipeline tests: a cached tiny synthetic dataset and a trainer subprocess runner.
+
+Subprocesses are started by these helpers and reaped by PID (never by name); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+TRAINING_ROOT = Path(__file__).resolve().parents[1]
+
+
+def synth_dataset(base: Path, name: str = "synth_small", **options) -> Path:
+    """Create (once per pytest session base dir) a tiny synthetic dataset; returns its directory."""
+    from eagle3.synth import SynthConfig, synthesize
+
+    out = base / name
+    if not (out / "index.json").is_file():
+        cfg = SynthConfig(**{"num_samples": 160, "max_len": 400, **options})
+        synthesize(out, cfg, log=lambda *a, **k: None)
+    return out
+
+
+def write_config(path: Path, **values) -> Path:
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def trainer_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(TRAINING_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def start_trainer(args: list[str], log_path: Path) -> subprocess.Popen:
+    log = log_path.open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "eagle3", *args],
+        cwd=TRAINING_ROOT,
+        env=trainer_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def run_trainer(args: list[str], log_path: Path, timeout: float = 240) -> int:
+    proc = start_trainer(args, log_path)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        reap(proc)
+
+
+def reap(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Make sure a process we started is gone: TERM its own group, then KILL, always wait on its PID."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group we created with start_new_session
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=grace)
+
+
+def read_status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("kind") == kind]
+
+
+def read_samples(run_dir: Path, rank: int = 0) -> list[dict]:
+    path = run_dir / f"samples_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
