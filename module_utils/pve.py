@@ -10,6 +10,7 @@ proxmoxer and requests are imported lazily, only by connect().
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 import time
@@ -145,6 +146,11 @@ def connect(params):
         ) from None
     mode = auth_mode(params)
     timeout = params.get("timeout") or DEFAULT_TIMEOUT
+    if mode != "local" and params.get("ca_path") and not os.path.isfile(params["ca_path"]):
+        raise PveError(
+            f"ca_path {params['ca_path']} is not a file: copy /etc/pve/pve-root-ca.pem from a PVE node there, "
+            "or leave ca_path empty (validate_certs=false only on a trusted network)"
+        )
     where = (
         "pvesh on this node"
         if mode == "local"
