@@ -10,9 +10,9 @@ description:
   - Uses NVML through nvidia-ml-py when it is importable on the target, otherwise
     C(nvidia-smi --query-gpu=... --format=csv) with a timeout.
   - Flags a GPU as C(starved) when its utilisation is high while its power draw is far below its limit
-    (kernels resident but waiting, e.g. NCCL busy-waiting on a slow all-reduce: "100 % util at 250 W").
+    (kernels resident but waiting, e.g. NCCL busy-waiting on a slow all-reduce, the "100 % util at 250 W" case).
   - A machine without NVIDIA GPU or driver gives C(gpus=[]), not an error.
-  - GPU process lists are not reported: inside a container they carry host PIDs.
+  - GPU process lists are not reported, because inside a container they carry host PIDs.
 version_added: "1.0.0"
 author: eagle3-pve
 options:
