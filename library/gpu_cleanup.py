@@ -305,12 +305,11 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         }
         gpu.update(status="unverified", message="check mode: nothing was stopped")
     else:
-        gpu = verify_memory(
-            before_query,
-            p["gpu_memory_tolerance_mib"],
-            max(deadline, time.monotonic() + budget.kill) if outcome["targets"] else time.monotonic() + 1.0,
-            call_timeout,
-        )
+        # The driver frees memory within seconds of the last holder's exit: poll for at most kill_timeout
+        # (inside the budget), but always take at least one reading.
+        now = time.monotonic()
+        window = min(deadline, now + budget.kill) if outcome["targets"] else now
+        gpu = verify_memory(before_query, p["gpu_memory_tolerance_mib"], max(window, now + 1.0), call_timeout)
     gpu["before"] = before
 
     signalled = bool(outcome["targets"]) and not check_mode
