@@ -171,6 +171,16 @@ def sample_lengths(cfg: SynthConfig, g: torch.Generator) -> list[int]:
 def synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int = 128, log=print) -> Path:
     """Write a native dataset of `cfg.num_samples` documents to `out_dir`; returns the index path."""
     cfg.validate()
+    threads = torch.get_num_threads()
+    # The per-token steps are tiny matrix products: one thread is fastest and does not fight other processes.
+    torch.set_num_threads(1)
+    try:
+        return _synthesize(out_dir, cfg, batch, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int, log) -> Path:
     started = time.monotonic()
     target = RandomTarget(cfg)
     g = torch.Generator().manual_seed(cfg.seed + 1)

@@ -13,7 +13,9 @@ def _file(tmp_path, **values):
 
 
 def test_file_values_then_command_line_overrides_win(tmp_path):
-    cfg = load_config(str(_file(tmp_path, max_seq_len=4096, lr=1e-4)), ["--max-seq-len", "16384", "--lr=3e-4", "--fsdp"])
+    cfg = load_config(
+        str(_file(tmp_path, max_seq_len=4096, lr=1e-4)), ["--max-seq-len", "16384", "--lr=3e-4", "--fsdp"]
+    )
     assert cfg.max_seq_len == 16384
     assert cfg.lr == pytest.approx(3e-4)
     assert cfg.fsdp is True

@@ -112,7 +112,7 @@ def test_draft_vocab_larger_than_target_vocab(dataset, tmp_path):
 
 
 def test_no_dataset_at_all(tmp_path):
-    with pytest.raises(DataError, match="index.json is missing.*eagle3 synth"):
+    with pytest.raises(DataError, match=r"index\.json is missing.*eagle3 synth"):
         read_index(tmp_path)
 
 
@@ -126,16 +126,33 @@ def test_import_from_speculators_layout(dataset, tmp_path):
         s = reader.sample(i)
         n = s["input_ids"].numel()
         hs = torch.cat([s["aux_hidden"].view(n, 3, 64), s["last_hidden"].view(n, 1, 64)], dim=1)  # [S, 4, H]
-        save_file({"token_ids": s["input_ids"], "hidden_states": hs.contiguous()}, str(src / "hidden_states" / f"hs_{i}.safetensors"))
-        masks.append(json.dumps({"index": i, "input_ids": s["input_ids"].tolist(), "loss_mask": s["loss_mask"].int().tolist()}))
+        save_file(
+            {"token_ids": s["input_ids"], "hidden_states": hs.contiguous()},
+            str(src / "hidden_states" / f"hs_{i}.safetensors"),
+        )
+        masks.append(
+            json.dumps(
+                {"index": i, "input_ids": s["input_ids"].tolist(), "loss_mask": s["loss_mask"].int().tolist()}
+            )
+        )
     (src / "loss_masks.jsonl").write_text("\n".join(masks) + "\n")
     target = reader.target_weights()
     save_file(
-        {"model.embed_tokens.weight": target["embed"], "model.norm.weight": target["final_norm"], "lm_head.weight": target["lm_head"]},
+        {
+            "model.embed_tokens.weight": target["embed"],
+            "model.norm.weight": target["final_norm"],
+            "lm_head.weight": target["lm_head"],
+        },
         str(tmp_path / "target.safetensors"),
     )
     out = tmp_path / "native"
-    import_speculators(src, out, target_weights=tmp_path / "target.safetensors", draft_vocab_size=100, aux_layer_ids=(2, 8, 13))
+    import_speculators(
+        src,
+        out,
+        target_weights=tmp_path / "target.safetensors",
+        draft_vocab_size=100,
+        aux_layer_ids=(2, 8, 13),
+    )
     imported = DatasetReader(out)
     imported.validate()
     assert imported.index.num_samples == 5 and imported.index.draft_vocab_size == 100
@@ -157,4 +174,10 @@ def test_import_rejects_mismatched_hidden_size(dataset, tmp_path):
     target = DatasetReader(dataset).target_weights()
     save_file(target, str(tmp_path / "t.safetensors"))
     with pytest.raises(DataError, match="hidden size 32 does not match the target weights' 64"):
-        import_speculators(src, tmp_path / "o", target_weights=tmp_path / "t.safetensors", draft_vocab_size=10, aux_layer_ids=(1, 2, 3))
+        import_speculators(
+            src,
+            tmp_path / "o",
+            target_weights=tmp_path / "t.safetensors",
+            draft_vocab_size=10,
+            aux_layer_ids=(1, 2, 3),
+        )
