@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -214,7 +215,11 @@ class Trainer:
 
             ids = [device.index] if device.type == "cuda" else None
             # ttt_forward calls model(batch, ...), so DDP's forward hooks run and gradients are all-reduced.
-            self.step_module = DDP(self.model, device_ids=ids, broadcast_buffers=False)
+            # No buffer sync: the vocab maps and frozen target rows are identical on every rank, and the full
+            # target head rows (a buffer of (V_target - V_draft) x H) would otherwise be broadcast every step.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+                self.step_module = DDP(self.model, device_ids=ids, broadcast_buffers=False)
         else:
             self.step_module = self.model
         fused = {"fused": True} if device.type == "cuda" else {}
