@@ -1,0 +1,979 @@
+"""Memory planner: predicted peak bytes per GPU for (drafter shape, ttt_steps, max_seq_len, world size, options).
+
+    python -m eagle3 plan --shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing
+    python -m eagle3 plan --config train.yaml --world-size 8 --memory-gb 96 --json     # what max_seq_len=auto runs
+
+The model is analytic and follows the code it predicts (eagle3/model.py, attention.py, loss.py, train.py):
+every term below names the tensors it stands for. It is checked on CPU against eagle3.memtrack (bytes the real
+forward+backward allocates; tests/test_plan.py, within 15 %), and on a GPU by the probe and bench/gpu_check.sh.
+
+peak = static (weights, gradients, AdamW, DDP buckets; FSDP shards them)
+     + batch (the packed row on the device)
+     + held (what the forward keeps for backward: per token and TTT step, plus once per row)
+     + transient (the largest backward phase: one loss chunk, or one decoder step's gradients,
+                  plus the recomputed step under activation checkpointing)
+     + reserve (CUDA context, NCCL buffers, allocator slack: not seen by torch's counters)
+
+Sizes are GiB (2**30 bytes) everywhere, as torch and nvidia-smi report them; lengths are multiples of 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
+
+GIB = 1 << 30
+SEQ_BLOCK = 128  # flex_attention block size; rows are padded to a multiple of it
+MAX_SEARCH_LEN = 262144
+DEFAULT_LENGTHS = (4096, 8192, 16384, 24576, 32768, 49152, 65536)
+FP32 = 4
+# Query block of the exact (CPU) attention path: eagle3.attention.DEFAULT_BLOCK_SIZE (not imported: the planner
+# must run where torch is missing or slow to import).
+EXACT_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Drafter dimensions (eagle3.model.DrafterConfig without the metadata)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    norm_before_fc: bool = False
+    train_lm_head: bool = False
+
+    @property
+    def attention_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def linear_params(self) -> int:
+        """Trainable Linear weights (autocast keeps a bf16 copy of each): fc, q/k/v/o, gate/up/down, lm_head if trained.
+
+        >>> SHAPES["kimi-k2.5"].linear_params()  # FACTS.md §5: ~756 M trainable
+        756023296
+        """
+        h, a, i = self.hidden_size, self.attention_dim, self.intermediate_size
+        n = 3 * h * h + 3 * (2 * h * a) + a * h + 3 * h * i
+        return n + (h * self.draft_vocab_size if self.train_lm_head else 0)
+
+    def trainable_params(self) -> int:
+        """Linear weights plus the trainable RMSNorm weights (input/hidden/post-attention/final, input_norm over 3H)."""
+        h = self.hidden_size
+        return self.linear_params() + 4 * h + (3 * h if self.norm_before_fc else 0)
+
+    def frozen_params(self, keep_full_head: bool = True) -> int:
+        """Embedding, verifier norm and head, the frozen lm_head and, for the true-target accuracy, the target head
+        rows outside the draft vocab (Eagle3Drafter.verifier_lm_head_rest).
+
+        >>> round(SHAPES["kimi-k2.5"].frozen_params() / 1e9, 2)
+        2.58
+        """
+        h, vt, vd = self.hidden_size, self.target_vocab_size, self.draft_vocab_size
+        n = vt * h + h + vd * h + (0 if self.train_lm_head else vd * h)
+        return n + ((vt - vd) * h if keep_full_head and vd < vt else 0)
+
+
+SHAPES = {
+    # FACTS.md §5: the Kimi-K2.x-shaped drafter of the story.
+    "kimi-k2.5": Shape(7168, 64, 64, 18432, 32000, 163840),
+    # issue 7 item 6: the same drafter scaled by 1/8 (bench/memory.py measures it on CPU).
+    "kimi-k2.5-eighth": Shape(896, 8, 64, 2304, 4000, 20480),
+    # the tests' tiny drafter (training/tests/conftest.py).
+    "tiny": Shape(64, 4, 16, 128, 512, 1024),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the trainer runs, as far as memory is concerned (eagle3.train.Trainer.build_model).
+
+    autocast: bf16 autocast (dtype bf16, or auto on CUDA); activations from matmuls are bf16, norms stay fp32.
+    frozen_bf16: embedding and target heads stored in bf16 (the trainer does this on CUDA with autocast).
+    """
+
+    activation_checkpointing: bool = False
+    fsdp: bool = False
+    autocast: bool = True
+    frozen_bf16: bool = True
+    attention: str = "flex"  # flex (CUDA) | exact (CPU path)
+    loss_chunk_size: int = 4096
+    data_bytes: int = 2  # dataset hidden states: bf16
+    optimizer_state_bytes: int = 8  # AdamW: exp_avg + exp_avg_sq in fp32
+    keep_full_head: bool = True
+    device: str = "cuda"
+    reserve_gib: float = 1.0  # CUDA context + NCCL + allocator slack; 0 on CPU
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element of matmul outputs: bf16 under autocast, fp32 otherwise."""
+        return 2 if self.autocast else FP32
+
+    @property
+    def frozen_bytes(self) -> int:
+        return 2 if self.frozen_bf16 else FP32
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_options(opts: Options, world_size: int) -> None:
+    """Raise ConfigError for combinations the trainer cannot run, naming both options.
+
+    >>> check_options(Options(attention="flex", device="cpu", reserve_gib=0), 1)
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: attention=flex does not combine with device=cpu (flex_attention has no backward on CPU); use attention exact on CPU
+    """
+    if opts.attention not in ("flex", "exact"):
+        raise ConfigError(f"attention={opts.attention!r} is not one of flex, exact")
+    if opts.device not in ("cuda", "cpu"):
+        raise ConfigError(f"device={opts.device!r} is not one of cuda, cpu")
+    if opts.attention == "flex" and opts.device == "cpu":
+        raise ConfigError(
+            "attention=flex does not combine with device=cpu (flex_attention has no backward on CPU); "
+            "use attention exact on CPU"
+        )
+    if opts.fsdp and world_size < 2:
+        raise ConfigError(
+            f"fsdp does not combine with world_size={world_size}: sharding over one rank saves nothing; "
+            "drop --fsdp or plan for --world-size 2 or more"
+        )
+    if opts.frozen_bf16 and not opts.autocast:
+        raise ConfigError(
+            "frozen bf16 weights do not combine with dtype fp32 (the trainer keeps them in fp32 without autocast)"
+        )
+    if world_size < 1:
+        raise ConfigError(f"world_size={world_size} must be at least 1")
+    if opts.loss_chunk_size < 1:
+        raise ConfigError(f"loss_chunk_size={opts.loss_chunk_size} must be at least 1, for example 4096")
+
+
+# ----------------------------------------------------------------------------------------------- static
+
+
+def static_terms(shape: Shape, opts: Options, world_size: int) -> dict[str, int]:
+    """Bytes that do not depend on max_seq_len, per rank, by name.
+
+    DDP (world_size > 1): fp32 weights, fp32 gradients, AdamW state and DDP's fp32 bucket copy of the gradients
+    (gradient_as_bucket_view is off). FSDP2 (fully_shard, bf16 parameters, fp32 reduction): weights, gradients and
+    AdamW sharded over the ranks, plus the unsharded bf16 parameters and fp32 gradients of the module being
+    computed (the whole drafter at worst). Frozen weights are replicated on every rank.
+
+    >>> t = static_terms(SHAPES["kimi-k2.5"], Options(), 8)
+    >>> round(sum(t.values()) / GIB, 1)
+    18.9
+    """
+    p = shape.trainable_params()
+    shard = world_size if opts.fsdp else 1
+    terms = {
+        "weights_fp32": FP32 * p // shard,
+        "grads_fp32": FP32 * p // shard,
+        "optimizer_state": opts.optimizer_state_bytes * p // shard,
+        "frozen_weights": opts.frozen_bytes * shape.frozen_params(opts.keep_full_head),
+        # d2t long[V_draft], t2d bool[V_target], rest_target_ids long[V_target - V_draft]
+        "vocab_maps": 8 * shape.draft_vocab_size
+        + shape.target_vocab_size
+        + 8 * (shape.target_vocab_size - shape.draft_vocab_size),
+    }
+    if opts.fsdp:
+        terms["fsdp_unsharded_params"] = 2 * p if opts.autocast else FP32 * p
+        terms["fsdp_unsharded_grads"] = FP32 * p
+    elif world_size > 1:
+        terms["ddp_buckets"] = FP32 * p
+    return terms
+
+
+def static_bytes(shape: Shape, opts: Options, world_size: int) -> int:
+    return sum(static_terms(shape, opts, world_size).values())
+
+
+def batch_bytes(shape: Shape, seq_len: int, opts: Options) -> int:
+    """The packed row on the device: input_ids, document_ids, position_ids (long), loss_mask (bool),
+    aux_hidden [S, 3H] and last_hidden [S, H] in the dataset dtype.
+
+    >>> batch_bytes(SHAPES["tiny"], 128, Options(data_bytes=4)) == 128 * (8 * 3 + 1 + 4 * 4 * 64)
+    True
+    """
+    return seq_len * (3 * 8 + 1 + opts.data_bytes * 4 * shape.hidden_size)
+
+
+# ----------------------------------------------------------------------------------------------- activations
+
+
+def step_held_terms(shape: Shape, seq_len: int, step: int, opts: Options) -> dict[str, int]:
+    """Bytes the forward of TTT step `step` keeps for backward without activation checkpointing (model.py
+    Eagle3DecoderLayer.forward, RMSNorm, apply_rope; attention.py; loss.py), per row of `seq_len` tokens.
+
+    lp is the matmul output dtype (bf16 under autocast, fp32 otherwise); RMSNorm saves its fp32 input copy, the
+    normalised tensor in the input dtype and the fp32 output that feeds the next matmul.
+    """
+    h, a, i, nh = shape.hidden_size, shape.attention_dim, shape.intermediate_size, shape.num_heads
+    lp, fb, s = opts.act_bytes, opts.frozen_bytes, seq_len
+    ac = opts.autocast
+    terms = {
+        # input_layernorm(embeds): weight * normed saves normed in the embedding dtype
+        "norm_embed": s * fb * h,
+        # hidden_norm(hidden): fp32 copy of the input (aliases the fp32 input without autocast) + normed
+        "norm_hidden": s * ((FP32 * h if ac else 0) + lp * h),
+        # concat [S, 2H]: q/k/v each save their own bf16 cast under autocast, one shared fp32 tensor without
+        "qkv_input": s * (3 if ac else 1) * 2 * h * lp,
+        # post_attention_layernorm: fp32 input, normed, and the fp32 output (gate/up save a bf16 cast each)
+        "norm_post": s * (FP32 * h + lp * h + 4 * h),
+        "mlp": s * 4 * i * lp,  # gate, up, silu(gate), silu*up
+        "step_output": s * lp * h,  # the new hidden: input of the next step and of the loss chunks
+        "rope_tables": s * 2 * FP32 * shape.head_dim,  # cos, sin
+        "loss_weight": s * FP32,
+        "lse": s * FP32 * nh,
+    }
+    if opts.attention == "exact":
+        terms["attention"] = s * 4 * a * lp  # q, k, v, out (k, v are also the cache of later steps)
+    else:
+        # flex saves q, the K/V concatenated over steps 0..step, its output, and o_proj saves the [S, A] copy
+        terms["attention"] = s * (3 + 2 * (step + 1)) * a * lp
+    return terms
+
+
+def once_held_terms(shape: Shape, seq_len: int, opts: Options) -> dict[str, int]:
+    """Bytes held once per row, not per step: fc's saved input and output, autocast's weight copies."""
+    h, s, lp = shape.hidden_size, seq_len, opts.act_bytes
+    # autocast saves its bf16 cast of aux_hidden; without autocast, fc's .to(fp32) copy unless already fp32
+    no_copy = opts.data_bytes == FP32
+    fc_input = 2 * 3 * h if opts.autocast else (0 if no_copy else FP32 * 3 * h)
+    if shape.norm_before_fc:
+        fc_input += FP32 * 3 * h + lp * 3 * h
+    fc_output = lp * h if (opts.activation_checkpointing or not opts.autocast) else 0
+    return {
+        "fc_input": s * fc_input,
+        "fc_output": s * fc_output,
+        # autocast caches one bf16 copy of each trainable weight per forward and the matmuls save it for backward;
+        # under activation checkpointing only fc's stays (the layer's are made again in the recompute)
+        "autocast_weight_copies": (
+            0
+            if not opts.autocast
+            else 2 * (3 * h * h if opts.activation_checkpointing else shape.linear_params())
+        ),
+    }
+
+
+def checkpointed_step_terms(
+    shape: Shape, seq_len: int, step: int, ttt_steps: int, opts: Options
+) -> dict[str, int]:
+    """What a step keeps with activation checkpointing: the inputs and outputs of its checkpoint."""
+    a, s, lp = shape.attention_dim, seq_len, opts.act_bytes
+    return {
+        "step_output": s * lp * shape.hidden_size,
+        # this step's K/V, needed by later steps (the last step's are dropped at once)
+        "kv_cache": s * 2 * a * lp if step < ttt_steps - 1 else 0,
+        "rope_tables": s * 2 * FP32 * shape.head_dim,
+        "token_ids": s * 8,
+        "loss_weight": s * FP32,
+    }
+
+
+def activation_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> dict[str, int]:
+    """Bytes held at the end of the forward pass (summed over the TTT steps), by name."""
+    terms = dict(once_held_terms(shape, seq_len, opts))
+    for step in range(ttt_steps):
+        if opts.activation_checkpointing:
+            step_terms = checkpointed_step_terms(shape, seq_len, step, ttt_steps, opts)
+        else:
+            step_terms = step_held_terms(shape, seq_len, step, opts)
+        for name, value in step_terms.items():
+            terms[name] = terms.get(name, 0) + value
+    return terms
+
+
+def activation_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> int:
+    """Bytes the forward of one packed row keeps for backward.
+
+    >>> kimi = SHAPES["kimi-k2.5"]
+    >>> round(activation_bytes(kimi, 32768, 5, Options()) / GIB, 1)
+    71.6
+    >>> round(activation_bytes(kimi, 32768, 5, Options(activation_checkpointing=True)) / GIB, 1)
+    6.3
+    """
+    return sum(activation_terms(shape, seq_len, ttt_steps, opts).values())
+
+
+def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> dict[str, int]:
+    """The backward phases on top of the held bytes; the peak adds the largest (returned as a dict of phases).
+
+    loss_chunk: chunked_kl recomputes one chunk under its checkpoint: draft and target log-probabilities, target
+    probabilities, their difference and product, five fp32 [chunk, V] at once; plus the [S, H] gradient of the
+    step output the chunk gradients are accumulated into.
+    decoder_step: backward of the last TTT step. MLP phase: the hidden gradient and three [S, I] gradients.
+    Attention phase (the MLP and post-attention norm tensors of the step are freed by then): the gradients of q
+    and of every K/V of steps 0..k (fp32 accumulators in the exact path, the flex outputs and rotary fp32
+    intermediates on CUDA); the exact path adds its per-block tensors: three fp32 [heads, block, S] for the last
+    block and one [heads, block, S - block] left from the block before, when one document fills the row.
+    With activation checkpointing the step's forward is recomputed first: its saved tensors come on top.
+    """
+    h, a, i, nh = shape.hidden_size, shape.attention_dim, shape.intermediate_size, shape.num_heads
+    lp, s, k = opts.act_bytes, seq_len, ttt_steps - 1
+    chunk = min(opts.loss_chunk_size, s)
+    grad_h = s * lp * h
+    loss_chunk = 5 * FP32 * chunk * shape.draft_vocab_size + (grad_h if chunk < s else 0)
+    last = step_held_terms(shape, seq_len, k, opts)
+    mlp_phase = 2 * grad_h + s * 3 * i * lp
+    if opts.attention == "exact":
+        block = min(EXACT_BLOCK, s)
+        attn = s * (3 + 2 * k) * a * FP32 + FP32 * nh * block * (3 * s + max(s - block, 0))
+    else:
+        attn = s * (1 + 2 * (k + 1)) * a * lp + s * 2 * FP32 * a
+    attn_phase = grad_h + attn - last["mlp"] - last["norm_post"]
+    decoder = max(mlp_phase, attn_phase)
+    if opts.activation_checkpointing:
+        # the recomputed forward saves what the plain step saves, except what lives outside the checkpoint
+        outside = ("step_output", "loss_weight", "rope_tables")
+        decoder += sum(v for name, v in last.items() if name not in outside)
+        if opts.autocast:
+            decoder += 2 * (shape.linear_params() - 3 * h * h)  # the layer's bf16 weight copies, made again
+    return {"loss_chunk": loss_chunk, "decoder_step": decoder}
+
+
+def transient_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> int:
+    return max(transient_terms(shape, seq_len, ttt_steps, opts).values())
+
+
+def dynamic_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> int:
+    """Held + largest transient: what eagle3.memtrack measures for one forward+backward (static state excluded)."""
+    return activation_bytes(shape, seq_len, ttt_steps, opts) + transient_bytes(
+        shape, seq_len, ttt_steps, opts
+    )
+
+
+def predict_peak_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options, world_size: int = 1) -> int:
+    """Peak bytes per rank, the reserve included.
+
+    >>> kimi = SHAPES["kimi-k2.5"]
+    >>> on = Options(activation_checkpointing=True, fsdp=True)
+    >>> round(predict_peak_bytes(kimi, 32768, 5, on, world_size=8) / GIB, 1)
+    39.2
+    """
+    return (
+        static_bytes(shape, opts, world_size)
+        + batch_bytes(shape, seq_len, opts)
+        + dynamic_bytes(shape, seq_len, ttt_steps, opts)
+        + int(opts.reserve_gib * GIB)
+    )
+
+
+def breakdown(shape: Shape, seq_len: int, ttt_steps: int, opts: Options, world_size: int = 1) -> dict:
+    """Every term of the prediction in GiB, for the table and the bench."""
+
+    def gib(d: dict[str, int]) -> dict[str, float]:
+        return {k: round(v / GIB, 3) for k, v in d.items() if v}
+
+    return {
+        "static": gib(static_terms(shape, opts, world_size)),
+        "batch": round(batch_bytes(shape, seq_len, opts) / GIB, 3),
+        "held": gib(activation_terms(shape, seq_len, ttt_steps, opts)),
+        "transient": gib(transient_terms(shape, seq_len, ttt_steps, opts)),
+        "reserve": opts.reserve_gib,
+        "peak": round(predict_peak_bytes(shape, seq_len, ttt_steps, opts, world_size) / GIB, 3),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- choosing a length
+
+
+def budget_bytes(memory_gb: float, margin: float) -> int:
+    """Usable bytes: the memory less the safety margin (a fraction).
+
+    >>> round(budget_bytes(96, 0.1) / GIB, 2)
+    86.4
+    """
+    return int(memory_gb * GIB * (1.0 - margin))
+
+
+def largest_fitting(
+    predict: Callable[[int], int], budget: int, max_len: int = MAX_SEARCH_LEN, step: int = SEQ_BLOCK
+) -> int | None:
+    """Largest multiple of `step` up to `max_len` whose predicted peak fits `budget`, or None if not even `step`.
+
+    `predict` must grow with the length (every term does); binary search over the multiples.
+
+    >>> largest_fitting(lambda s: 1000 + 10 * s, budget=1000 + 10 * 1000)
+    896
+    >>> largest_fitting(lambda s: 10**12, budget=100) is None
+    True
+    """
+    lo, hi = 0, max_len // step  # predict(lo * step) fits (lo = 0 by convention), hi may not
+    if predict(step) > budget:
+        return None
+    lo = 1
+    if predict(hi * step) <= budget:
+        return hi * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if predict(mid * step) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo * step
+
+
+@dataclass
+class Plan:
+    shape: Shape
+    options: Options
+    ttt_steps: int
+    world_size: int
+    memory_gb: float
+    margin: float
+    max_seq_len: int | None
+    predicted_gb: float | None
+    static_gb: float
+    table: list[dict]
+    source: str = "analytic"  # or "probe"
+    probe: dict | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "max_seq_len": self.max_seq_len,
+            "predicted_gb": self.predicted_gb,
+            "memory_gb": self.memory_gb,
+            "margin": self.margin,
+            "budget_gb": round(budget_bytes(self.memory_gb, self.margin) / GIB, 3),
+            "static_gb": self.static_gb,
+            "world_size": self.world_size,
+            "ttt_steps": self.ttt_steps,
+            "source": self.source,
+            "table": self.table,
+            "options": self.options.describe(),
+            "shape": dataclasses.asdict(self.shape),
+            "probe": self.probe,
+        }
+
+
+def make_plan(
+    shape: Shape,
+    opts: Options,
+    *,
+    ttt_steps: int,
+    world_size: int,
+    memory_gb: float,
+    margin: float,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    predict: Callable[[int], int] | None = None,
+) -> Plan:
+    """The table for `lengths` and the largest fitting length. Raises ConfigError when the budget is below the
+    static footprint or no length fits (the message carries the figures and what to change)."""
+    check_options(opts, world_size)
+    if ttt_steps < 1:
+        raise ConfigError(f"ttt_steps={ttt_steps} must be at least 1 (default 5)")
+    if not 0.0 <= margin < 1.0:
+        raise ConfigError(f"margin={margin} must be in [0, 1), for example 0.1 (keep 10 % free)")
+    if memory_gb <= 0:
+        raise ConfigError(
+            f"memory_gb={memory_gb} must be positive: the memory of one GPU in GiB, for example 96"
+        )
+    predict = predict or (lambda s: predict_peak_bytes(shape, s, ttt_steps, opts, world_size))
+    budget = budget_bytes(memory_gb, margin)
+    fixed = static_bytes(shape, opts, world_size) + int(opts.reserve_gib * GIB)
+    static_gb = round(fixed / GIB, 3)
+    if fixed >= budget:
+        raise ConfigError(
+            f"memory budget {budget / GIB:.1f} GiB ({memory_gb} GiB less {margin:.0%} margin) is below the static "
+            f"footprint {static_gb:.1f} GiB (weights, gradients, optimizer, frozen heads, reserve) at "
+            f"world_size={world_size}; use a larger GPU, more ranks with fsdp, or a smaller drafter"
+        )
+    table = []
+    for s in lengths:
+        peak = predict(s)
+        table.append({"max_seq_len": s, "predicted_gb": round(peak / GIB, 3), "fits": peak <= budget})
+    chosen = largest_fitting(predict, budget)
+    if chosen is None:
+        smallest = predict(SEQ_BLOCK) / GIB
+        raise ConfigError(
+            f"no max_seq_len fits: even {SEQ_BLOCK} tokens need {smallest:.1f} GiB against a budget of "
+            f"{budget / GIB:.1f} GiB (static {static_gb:.1f} GiB); turn on activation_checkpointing or fsdp, "
+            "or lower ttt_steps"
+        )
+    return Plan(
+        shape=shape,
+        options=opts,
+        ttt_steps=ttt_steps,
+        world_size=world_size,
+        memory_gb=memory_gb,
+        margin=margin,
+        max_seq_len=chosen,
+        predicted_gb=round(predict(chosen) / GIB, 3),
+        static_gb=static_gb,
+        table=table,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- probe (CUDA)
+
+
+def fit_line(points: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """Least-squares a + b * S through (S, bytes) points (two points: the line through them).
+
+    >>> fit_line([(4096, 5096), (8192, 9192)])
+    (1000.0, 1.0)
+    """
+    if len({s for s, _ in points}) < 2:
+        raise ValueError(f"need measurements at two different lengths, got {list(points)}")
+    n = len(points)
+    mean_s = sum(s for s, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((s - mean_s) ** 2 for s, _ in points)
+    b = sum((s - mean_s) * (y - mean_y) for s, y in points) / var
+    return mean_y - b * mean_s, b
+
+
+def config_hash(shape: Shape, opts: Options, ttt_steps: int) -> str:
+    """Hash of everything that changes the bytes of a step (not paths, seeds or learning rates).
+
+    >>> config_hash(SHAPES["tiny"], Options(), 5) == config_hash(SHAPES["tiny"], Options(), 5)
+    True
+    >>> config_hash(SHAPES["tiny"], Options(), 5) == config_hash(SHAPES["tiny"], Options(), 3)
+    False
+    """
+    blob = json.dumps(
+        {"shape": dataclasses.asdict(shape), "options": opts.describe(), "ttt_steps": ttt_steps},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def probe_cache_path(cache_dir: Path, gpu_name: str, torch_version: str, cfg_hash: str) -> Path:
+    """One JSON file per (GPU name, torch version, config hash).
+
+    >>> probe_cache_path(Path("/c"), "NVIDIA H200", "2.13.0+cu128", "abc").name
+    'NVIDIA_H200__2.13.0_cu128__abc.json'
+    """
+
+    def clean(text: str) -> str:
+        return "".join(c if c.isalnum() or c in ".-" else "_" for c in text)
+
+    return cache_dir / f"{clean(gpu_name)}__{clean(torch_version)}__{clean(cfg_hash)}.json"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "eagle3" / "plan"
+
+
+class ProbeUnavailable(RuntimeError):
+    """The probe needs CUDA; the analytic plan decides without it."""
+
+
+def probe(
+    shape: Shape,
+    opts: Options,
+    *,
+    ttt_steps: int,
+    world_size: int,
+    memory_gb: float,
+    margin: float,
+    lengths: Sequence[int] = (4096, 8192),
+    measure: Callable[[int], tuple[int, int]] | None = None,
+    gpu_name: str | None = None,
+    torch_version: str | None = None,
+    cache_dir: Path | None = None,
+) -> dict:
+    """Real steps at two lengths on this GPU, a line through the measured dynamic bytes, a choice; cached.
+
+    measure(S) -> (static bytes before the step, peak bytes during it) on ONE rank; the default runs
+    `cuda_measure`. The line a + b*S is fitted to peak - static; the prediction for `world_size` ranks adds the
+    analytic static bytes of that world size (DDP buckets, FSDP shards cannot be measured on one GPU).
+    Raises ProbeUnavailable without CUDA (unless `measure` is given, as the tests do).
+    """
+    if measure is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ProbeUnavailable("no CUDA device: the probe needs a GPU; the analytic plan decides")
+        gpu_name = gpu_name or torch.cuda.get_device_name()
+        torch_version = torch_version or torch.__version__
+
+        def measure(seq_len: int) -> tuple[int, int]:
+            return cuda_measure(shape, opts, ttt_steps, seq_len)
+
+    gpu_name = gpu_name or "unknown-gpu"
+    torch_version = torch_version or "unknown-torch"
+    cfg_hash = config_hash(shape, opts, ttt_steps)
+    path = probe_cache_path(cache_dir or default_cache_dir(), gpu_name, torch_version, cfg_hash)
+    cached = None
+    if path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+        except ValueError:
+            cached = None  # a torn or foreign file: measure again and replace it
+    if cached and sorted(cached.get("lengths", [])) == sorted(lengths):
+        measured = [tuple(m) for m in cached["measured"]]
+        from_cache = True
+    else:
+        measured = [(s, *measure(s)) for s in lengths]
+        from_cache = False
+    a, b = fit_line([(s, peak - static) for s, static, peak in measured])
+    static_world = static_bytes(shape, opts, world_size) + int(opts.reserve_gib * GIB)
+
+    def predict(seq_len: int) -> int:
+        return int(static_world + batch_bytes(shape, seq_len, opts) + a + b * seq_len)
+
+    budget = budget_bytes(memory_gb, margin)
+    chosen = largest_fitting(predict, budget)
+    analytic = [
+        dynamic_bytes(shape, s, ttt_steps, opts) + batch_bytes(shape, s, opts) for s, _, _ in measured
+    ]
+    result = {
+        "gpu": gpu_name,
+        "torch": torch_version,
+        "config_hash": cfg_hash,
+        "lengths": list(lengths),
+        "measured": [list(m) for m in measured],
+        "fit_bytes": {"a": a, "b_per_token": b},
+        "analytic_dynamic_bytes": analytic,
+        "analytic_error": [
+            round((an - (peak - static)) / max(peak - static, 1), 3)
+            for an, (_, static, peak) in zip(analytic, measured, strict=True)
+        ],
+        "max_seq_len": chosen,
+        "predicted_gb": round(predict(chosen) / GIB, 3) if chosen else None,
+        "from_cache": from_cache,
+        "cache_file": str(path),
+    }
+    if not from_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**result, "created": time.time()}, indent=1))
+        os.replace(tmp, path)
+    return result
+
+
+def cuda_measure(
+    shape: Shape, opts: Options, ttt_steps: int, seq_len: int, steps: int = 2
+) -> tuple[int, int]:
+    """(allocated bytes before a step, peak allocated during it) for `steps` real training steps on CUDA, set up
+    as eagle3.train does it (bf16 autocast, frozen weights in bf16, fused AdamW, zero_grad(set_to_none=True)).
+
+    Random weights and one document filling the row (the worst case for the mask). The model is freed after.
+    """
+    import torch
+
+    from eagle3.model import DrafterConfig, ttt_forward
+
+    device = torch.device("cuda")
+    cfg = DrafterConfig(
+        hidden_size=shape.hidden_size,
+        num_heads=shape.num_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        draft_vocab_size=shape.draft_vocab_size,
+        target_vocab_size=shape.target_vocab_size,
+        aux_layer_ids=(2, 3, 4),
+        norm_before_fc=shape.norm_before_fc,
+        train_lm_head=shape.train_lm_head,
+    )
+    model, optimizer, batch = build_probe_step(cfg, opts, seq_len, device)
+    try:
+        for n in range(steps):
+            if n == steps - 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=opts.autocast):
+                loss, _ = ttt_forward(
+                    model,
+                    batch,
+                    ttt_steps=ttt_steps,
+                    activation_checkpointing=opts.activation_checkpointing,
+                    loss_chunk_size=opts.loss_chunk_size,
+                    attention=opts.attention,
+                )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del loss
+        torch.cuda.synchronize()
+        return before, torch.cuda.max_memory_allocated()
+    finally:
+        del model, optimizer, batch
+        torch.cuda.empty_cache()
+
+
+def build_probe_step(cfg, opts: Options, seq_len: int, device):
+    """A drafter with random target weights, its AdamW and one packed row (one document) on `device`."""
+    import torch
+
+    from eagle3.model import Eagle3Drafter
+
+    h, vt, vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
+    gen = torch.Generator().manual_seed(0)
+    t2d = torch.zeros(vt, dtype=torch.bool)
+    chosen = torch.randperm(vt, generator=gen)[:vd].sort().values
+    t2d[chosen] = True
+    with torch.device(device):
+        model = Eagle3Drafter(cfg)
+    frozen_dtype = torch.bfloat16 if opts.frozen_bf16 else torch.float32
+    model.load_target_weights(
+        torch.randn(vt, h, device=device, dtype=frozen_dtype),
+        torch.ones(h, device=device),
+        torch.randn(vt, h, device=device, dtype=frozen_dtype) * 0.02,
+        t2d.to(device),
+        (chosen - torch.arange(vd)).to(device),
+        keep_full_head=opts.keep_full_head,
+    )
+    if opts.frozen_bf16:
+        model.frozen_to(torch.bfloat16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, betas=(0.9, 0.95), **fused)
+    data_dtype = torch.bfloat16 if opts.data_bytes == 2 else torch.float32
+    batch = {
+        "input_ids": torch.randint(0, vt, (seq_len,), device=device),
+        "aux_hidden": torch.randn(seq_len, 3 * h, device=device, dtype=data_dtype),
+        "last_hidden": torch.randn(seq_len, h, device=device, dtype=data_dtype),
+        "loss_mask": torch.ones(seq_len, dtype=torch.bool, device=device),
+        "document_ids": torch.zeros(seq_len, dtype=torch.long, device=device),
+        "position_ids": torch.arange(seq_len, device=device),
+    }
+    return model, optimizer, batch
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def options_from_config(cfg, device: str) -> Options:
+    """Options of a trainer config (eagle3.config.TrainConfig) on `device` (cuda | cpu), as train.py resolves them."""
+    autocast = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device == "cuda")
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device == "cuda" else "exact")
+    return Options(
+        activation_checkpointing=cfg.activation_checkpointing,
+        fsdp=cfg.fsdp,
+        autocast=autocast,
+        frozen_bf16=autocast and device == "cuda",
+        attention=attention,
+        loss_chunk_size=cfg.loss_chunk_size,
+        device=device,
+        reserve_gib=1.0 if device == "cuda" else 0.0,
+    )
+
+
+def shape_from_config(cfg) -> tuple[Shape, int]:
+    """Drafter shape from the trainer config and its dataset index (sizes there, heads/MLP derived as train.py does);
+    also the dataset's bytes per hidden element."""
+    from eagle3.data import read_index
+    from eagle3.train import drafter_config
+
+    index = read_index(cfg.data_dir)
+    dc = drafter_config(cfg, index)
+    shape = Shape(
+        dc.hidden_size, dc.num_heads, dc.head_dim, dc.intermediate_size, dc.draft_vocab_size, dc.target_vocab_size,
+        norm_before_fc=dc.norm_before_fc, train_lm_head=dc.train_lm_head,
+    )  # fmt: skip
+    data_bytes = {"float32": 4, "fp32": 4}.get(str(index.dtype).replace("torch.", ""), 2)
+    return shape, data_bytes
+
+
+def load_trainer_config(path: str):
+    """The trainer's config file, `max_seq_len: auto` allowed (the planner is what resolves it)."""
+    from eagle3.config import build_config, load_config_file
+
+    values = load_config_file(path)
+    if str(values.get("max_seq_len", "")).lower() == "auto":
+        values["max_seq_len"] = SEQ_BLOCK
+    return build_config(values, {})
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'8192,16384' -> [8192, 16384]; each a positive multiple of 128.
+
+    >>> parse_lengths("8192, 16384")
+    [8192, 16384]
+    """
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise ConfigError(
+            f"--lengths {text!r} is not a comma-separated list of integers, e.g. 8192,16384"
+        ) from e
+    bad = [v for v in values if v <= 0 or v % SEQ_BLOCK]
+    if bad or not values:
+        raise ConfigError(f"--lengths {text!r}: {bad or 'nothing'} not positive multiples of {SEQ_BLOCK}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3 plan",
+        description="Predict peak GPU memory per max_seq_len and choose the largest length that fits.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="trainer config (YAML); its dataset index gives the shape")
+    src.add_argument("--shape", choices=sorted(SHAPES), help="a named drafter shape")
+    for name in (
+        "hidden-size",
+        "num-heads",
+        "head-dim",
+        "intermediate-size",
+        "draft-vocab-size",
+        "target-vocab-size",
+    ):
+        p.add_argument(f"--{name}", type=int, help="override one dimension of --shape (or give all six)")
+    p.add_argument("--ttt-steps", type=int, default=None, help="TTT steps (default: the config's, else 5)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks (GPUs) in the run")
+    p.add_argument(
+        "--memory-gb", type=float, default=None, help="memory per GPU in GiB (config memory_limit_gb)"
+    )
+    p.add_argument("--margin", type=float, default=0.1, help="fraction of memory kept free (default 0.1)")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--fsdp", action="store_true", default=None)
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="where the trainer runs (default cuda)"
+    )
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default=None)
+    p.add_argument("--attention", choices=("auto", "flex", "exact"), default=None)
+    p.add_argument("--loss-chunk-size", type=int, default=None)
+    p.add_argument(
+        "--reserve-gb", type=float, default=None, help="CUDA context and NCCL reserve in GiB (1.0 on cuda)"
+    )
+    p.add_argument("--lengths", default=None, help="lengths for the table, e.g. 8192,16384,32768")
+    p.add_argument(
+        "--probe", action="store_true", help="confirm with real steps on this GPU (skipped without CUDA)"
+    )
+    p.add_argument("--probe-lengths", default="4096,8192", help="the two probe lengths")
+    p.add_argument("--cache-dir", default=None, help="probe cache (default ~/.cache/eagle3/plan)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the Ansible role parses it)")
+    return p
+
+
+def _resolve(args) -> tuple[Shape, Options, int, float]:
+    """Shape, options, ttt_steps and memory from the command line and, when given, the trainer config."""
+    from types import SimpleNamespace
+
+    dims = (
+        "hidden_size",
+        "num_heads",
+        "head_dim",
+        "intermediate_size",
+        "draft_vocab_size",
+        "target_vocab_size",
+    )
+    device = args.device or "cuda"
+    if args.config:
+        cfg = load_trainer_config(args.config)
+        shape, data_bytes = shape_from_config(cfg)
+        ttt_steps = cfg.ttt_steps
+        memory = cfg.memory_limit_gb or None
+        if cfg.device in ("cpu", "cuda") and args.device is None:
+            device = cfg.device
+    else:
+        cfg = SimpleNamespace(
+            dtype="auto", attention="auto", activation_checkpointing=False, fsdp=False, loss_chunk_size=4096
+        )
+        if args.shape:
+            shape = SHAPES[args.shape]
+        elif all(getattr(args, d) for d in dims):
+            shape = Shape(*(getattr(args, d) for d in dims))
+        else:
+            raise ConfigError(
+                "give --config FILE, --shape NAME, or all six of --"
+                + ", --".join(d.replace("_", "-") for d in dims)
+            )
+        data_bytes, ttt_steps, memory = 2, 5, None
+    overrides = {d: getattr(args, d) for d in dims if getattr(args, d)}
+    if overrides:
+        shape = dataclasses.replace(shape, **overrides)
+    for key in ("dtype", "attention", "activation_checkpointing", "fsdp", "loss_chunk_size"):
+        if getattr(args, key) is not None:
+            setattr(cfg, key, getattr(args, key))
+    opts = dataclasses.replace(options_from_config(cfg, device), data_bytes=data_bytes)
+    if args.reserve_gb is not None:
+        opts = dataclasses.replace(opts, reserve_gib=args.reserve_gb)
+    ttt_steps = args.ttt_steps if args.ttt_steps is not None else ttt_steps
+    memory = args.memory_gb if args.memory_gb is not None else memory
+    if memory is None:
+        raise ConfigError(
+            "no memory budget: pass --memory-gb (GiB per GPU) or set memory_limit_gb in the config"
+        )
+    return shape, opts, ttt_steps, memory
+
+
+def format_table(plan: Plan) -> str:
+    budget = budget_bytes(plan.memory_gb, plan.margin) / GIB
+    lines = [
+        f"drafter: hidden {plan.shape.hidden_size}, {plan.shape.num_heads} heads x {plan.shape.head_dim}, "
+        f"mlp {plan.shape.intermediate_size}, vocab {plan.shape.draft_vocab_size}/{plan.shape.target_vocab_size}; "
+        f"ttt_steps {plan.ttt_steps}, world size {plan.world_size}",
+        "options: "
+        + ", ".join(
+            f"{k}={v}"
+            for k, v in plan.options.describe().items()
+            if k in ("activation_checkpointing", "fsdp", "autocast", "attention")
+        ),
+        f"static {plan.static_gb:.1f} GiB (reserve included); budget {budget:.1f} GiB "
+        f"({plan.memory_gb:g} GiB less {plan.margin:.0%})",
+        f"{'max_seq_len':>12}  {'predicted GiB':>13}  fits",
+    ]
+    for row in plan.table:
+        lines.append(
+            f"{row['max_seq_len']:>12}  {row['predicted_gb']:>13.1f}  {'yes' if row['fits'] else 'no'}"
+        )
+    lines.append(
+        f"largest fitting: max_seq_len={plan.max_seq_len} ({plan.predicted_gb:.1f} GiB predicted, {plan.source})"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else sys.argv[1:])
+    try:
+        shape, opts, ttt_steps, memory = _resolve(args)
+        lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
+        plan = make_plan(
+            shape, opts, ttt_steps=ttt_steps, world_size=args.world_size, memory_gb=memory, margin=args.margin,
+            lengths=lengths,
+        )  # fmt: skip
+        if args.probe:
+            try:
+                result = probe(
+                    shape, opts, ttt_steps=ttt_steps, world_size=args.world_size, memory_gb=memory,
+                    margin=args.margin, lengths=parse_lengths(args.probe_lengths),
+                    cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                )  # fmt: skip
+            except ProbeUnavailable as e:
+                print(f"probe skipped: {e}", file=sys.stderr)
+            else:
+                plan.probe = result
+                if result["max_seq_len"] is None:
+                    raise ConfigError(
+                        f"the probe on {result['gpu']} finds no length that fits {memory} GiB "
+                        f"(measured {result['measured']}); turn on activation_checkpointing or fsdp"
+                    )
+                # measured beats predicted; never choose more than the analytic plan allows either
+                plan.max_seq_len = min(result["max_seq_len"], plan.max_seq_len)
+                plan.predicted_gb = (
+                    result["predicted_gb"] if plan.max_seq_len == result["max_seq_len"] else plan.predicted_gb
+                )
+                plan.source = (
+                    "probe" if plan.max_seq_len == result["max_seq_len"] else "analytic (probe agrees)"
+                )
+    except ConfigError as e:
+        print(f"eagle3 plan: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(format_table(plan))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
