@@ -360,7 +360,11 @@ class Trainer:
             world_size=self.info.world_size, seed=self.cfg.seed, epoch=0, shuffle=False,
         )  # fmt: skip
         acc = StatAccumulator(self.cfg.ttt_steps)
+        aborted = False
         for assignment in plan.steps:
+            if self.stop.requested:
+                aborted = True  # a stop must not wait for a long validation; the result is dropped
+                break
             ids = assignment[self.info.rank]
             if not ids:
                 continue
@@ -370,9 +374,17 @@ class Trainer:
             with self.autocast():
                 _, stats = ttt_forward(self.model, self.to_device(row), **self.ttt_options)
             acc.add_stats(stats)
-        reduced = dist_utils.all_reduce(acc.stats.flatten(), self.info).view_as(acc.stats)
+        # One collective: the statistics and whether any rank gave up early.
+        flat = torch.cat([torch.tensor([float(aborted)], dtype=torch.float64), acc.stats.flatten()])
+        flat = dist_utils.all_reduce(flat, self.info)
         self.model.train()
-        summary = summarize(reduced)
+        if flat[0] > 0:
+            self.log(f"val step {step}: interrupted by a stop request, result dropped")
+            return None
+        summary = summarize(flat[1:].view_as(acc.stats))
+        if summary["loss"][0] is None:
+            self.log(f"val step {step}: no supervised positions in the validation split")
+            return None
         val = {
             "step": step,
             "loss": mean_loss(summary),
