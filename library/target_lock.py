@@ -41,7 +41,7 @@ options:
   stale_after:
     description: Seconds after which a lock is considered abandoned and taken over.
     type: int
-    default: 7200
+    default: 1800
 """
 
 EXAMPLES = r"""
@@ -97,7 +97,7 @@ def main():
             owner=dict(type="str", required=True),
             purpose=dict(type="str", default=""),
             wait=dict(type="int", default=30),
-            stale_after=dict(type="int", default=7200),
+            stale_after=dict(type="int", default=1800),
         ),
         supports_check_mode=True,
     )

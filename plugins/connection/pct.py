@@ -63,12 +63,14 @@ options:
     default: pct
     vars:
       - name: pct_command
-  timeout:
-    description: Seconds to wait for one command before giving up (0 waits forever).
+  command_timeout:
+    description:
+      - Seconds to wait for one command before giving up (0 waits forever, as ssh does for a running command).
+      - Long tasks (training health waits, cleanups) are bounded by their own timeouts.
     type: int
     default: 0
     vars:
-      - name: pct_timeout
+      - name: pct_command_timeout
 """
 
 import os
@@ -138,7 +140,7 @@ class Connection(ConnectionBase):
     def _run(self, inner: list[str], in_data: bytes | None = None, stdout=subprocess.PIPE):
         argv = self._argv(inner)
         display.vvvv(f"PCT EXEC {argv!r}", host=self._play_context.remote_addr)
-        timeout = self.get_option("timeout") or None
+        timeout = self.get_option("command_timeout") or None
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.PIPE)
         except OSError as e:
