@@ -101,11 +101,20 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Trainable parameters and the vocab buffers; frozen target copies stay out (they are in the dataset)."""
+def trainable_names(model: torch.nn.Module) -> set[str]:
+    """Names saved in a checkpoint: trainable parameters and the vocab maps (frozen target copies are in the dataset)."""
     keep = {name for name, p in model.named_parameters() if p.requires_grad}
     keep |= {name for name, _ in model.named_buffers() if name.split(".")[-1] in ("d2t", "t2d")}
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k in keep}
+    return keep
+
+
+def trainable_state(
+    model: torch.nn.Module, full_state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The checkpointed subset of `full_state` (default: the model's own, unsharded state dict)."""
+    keep = trainable_names(model)
+    state = model.state_dict() if full_state is None else full_state
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if k in keep}
 
 
 def tmp_dir_for(run_dir: str | os.PathLike, step: int) -> Path:
@@ -119,12 +128,12 @@ def write_rng(tmp: Path, rank: int) -> None:
     torch.save(state, tmp / f"rng_rank{rank}.pt")
 
 
-def write_main(tmp: Path, model_state: dict, optimizer, scheduler, state: TrainerState, config: dict) -> None:
-    """Rank 0's part: weights, optimizer, scheduler, trainer state."""
+def write_main(
+    tmp: Path, model_state: dict, optimizer_state: dict, scheduler, state: TrainerState, config: dict
+) -> None:
+    """Rank 0's part: weights, optimizer state (keyed by parameter name), scheduler, trainer state."""
     save_file(model_state, str(tmp / "model.safetensors"))
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt"
-    )
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1) + "\n")
     (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 

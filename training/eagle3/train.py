@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
@@ -164,8 +165,8 @@ class Trainer:
             raise ConfigError(
                 f"max_seq_len={cfg.max_seq_len} leaves nothing to supervise at ttt_steps={cfg.ttt_steps}"
             )
-        if cfg.fsdp:
-            raise ConfigError("fsdp: true is not implemented in this trainer yet; use fsdp: false (DDP)")
+        if cfg.fsdp and not self.info.enabled:
+            self.log("note: fsdp: true with a single process shards nothing; training unsharded")
         if self.info.device.type == "cpu" and cfg.attention == "flex":
             raise ConfigError(
                 "attention='flex' needs CUDA (flex_attention has no backward on CPU); use exact or auto"
@@ -196,12 +197,12 @@ class Trainer:
         target = self.reader.target_weights()
         model.load_target_weights(target["embed"], target["final_norm"], target["lm_head"], t2d, d2t)
         self.model = model.to(device)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         autocast_dtype = None
         if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
             autocast_dtype = torch.bfloat16
         self.autocast_dtype = autocast_dtype
-        if device.type == "cuda" and autocast_dtype is not None:
+        self.sharded = cfg.fsdp and self.info.enabled
+        if device.type == "cuda" and autocast_dtype is not None and not self.sharded:
             self.model.frozen_to(autocast_dtype)  # frozen embedding and target heads in bf16: half the bytes
         self.ttt_options = {
             "ttt_steps": cfg.ttt_steps,
@@ -210,7 +211,17 @@ class Trainer:
             "loss_chunk_size": cfg.loss_chunk_size,
             "attention": cfg.attention,
         }
-        if self.info.enabled:
+        if self.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            # One FSDP2 group over the whole drafter (a single decoder layer, called once per TTT step):
+            # parameters, gradients and AdamW state are sharded; compute in bf16, gradients reduced in fp32.
+            mesh = init_device_mesh(device.type, (self.info.world_size,))
+            policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+            fully_shard(self.model, mesh=mesh, mp_policy=policy)
+            self.step_module = self.model
+        elif self.info.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [device.index] if device.type == "cuda" else None
@@ -222,6 +233,7 @@ class Trainer:
                 self.step_module = DDP(self.model, device_ids=ids, broadcast_buffers=False)
         else:
             self.step_module = self.model
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         fused = {"fused": True} if device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), **fused
@@ -270,9 +282,13 @@ class Trainer:
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in weights]
         if missing:
             raise ConfigError(f"checkpoint {path} lacks trainable weights {missing[:3]}; use a new run_dir")
-        self.model.load_state_dict(weights, strict=False)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        # Every rank reads the full checkpoint; under FSDP each keeps its own shard.
+        set_model_state_dict(self.model, weights, options=full)
         opt = ckpt.load_optimizer_state(path)
-        self.optimizer.load_state_dict(opt["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, opt["optimizer"], options=full)
         self.scheduler.load_state_dict(opt["scheduler"])
         ckpt.restore_rng(path, self.info.rank)
         changed = [
@@ -331,11 +347,17 @@ class Trainer:
             tmp.mkdir(parents=True)
         dist_utils.barrier(self.info)
         ckpt.write_rng(tmp, self.info.rank)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        # Collectives under FSDP (every rank takes part); full tensors on the CPU of rank 0.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         if self.info.is_main:
             ckpt.write_main(
                 tmp,
-                ckpt.trainable_state(self.model),
-                self.optimizer,
+                ckpt.trainable_state(self.model, model_state),
+                optimizer_state,
                 self.scheduler,
                 state,
                 self.cfg.to_dict(),
@@ -362,18 +384,24 @@ class Trainer:
         acc = StatAccumulator(self.cfg.ttt_steps)
         aborted = False
         for assignment in plan.steps:
-            if self.stop.requested:
-                aborted = True  # a stop must not wait for a long validation; the result is dropped
+            # A stop must not wait for a long validation; the result is then dropped. Under FSDP every
+            # forward is a collective, so the ranks agree on stopping row by row and run filler rows.
+            stop = (
+                dist_utils.any_rank(self.stop.requested, self.info) if self.sharded else self.stop.requested
+            )
+            if stop:
+                aborted = True
                 break
             ids = assignment[self.info.rank]
-            if not ids:
+            if not ids and not self.sharded:
                 continue
-            row, real = self.fetch_row(ids, ids[0])
-            if not real:
+            row, real = self.fetch_row(ids, plan.steps[0][0][0])
+            if not real and not self.sharded:
                 continue
             with self.autocast():
                 _, stats = ttt_forward(self.model, self.to_device(row), **self.ttt_options)
-            acc.add_stats(stats)
+            if real:
+                acc.add_stats(stats)
         # One collective: the statistics and whether any rank gave up early.
         flat = torch.cat([torch.tensor([float(aborted)], dtype=torch.float64), acc.stats.flatten()])
         flat = dist_utils.all_reduce(flat, self.info)
@@ -521,7 +549,7 @@ class Trainer:
         mem_gb, mem_kind = peak_memory_gb(info.device)
         slots = torch.zeros(2, info.world_size, dtype=torch.float64)  # [2, W] memory, parameter checksum
         slots[0, info.rank] = mem_gb
-        if info.enabled:
+        if info.enabled and not self.sharded:  # FSDP ranks hold different shards by design
             slots[1, info.rank] = dist_utils.param_checksum(self.model)
         flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten()])
         flat = dist_utils.all_reduce(flat, info)
@@ -560,7 +588,7 @@ class Trainer:
             "peak_mem_gb": float(slots[0].max()),
             "peak_mem_gb_per_rank": slots[0].tolist(),
             "mem_kind": mem_kind,
-            "param_checksums": slots[1].tolist() if info.enabled else None,
+            "param_checksums": slots[1].tolist() if info.enabled and not self.sharded else None,
             "eta_s": remaining * step_time,
             "world_size": info.world_size,
         }

@@ -28,7 +28,7 @@ def _save(run_dir, step, keep=3, weight=1.0):
     state = ckpt.TrainerState(
         step=step, epoch=0, step_in_epoch=step, samples_seen=step, world_size=1, max_seq_len=128, seed=0
     )
-    ckpt.write_main(tmp, ckpt.trainable_state(model), opt, sched, state, {"seed": 0})
+    ckpt.write_main(tmp, ckpt.trainable_state(model), opt.state_dict(), sched, state, {"seed": 0})
     return ckpt.finalize(run_dir, step, keep)
 
 

@@ -121,3 +121,31 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path_factory, tmp_p
         == [r["step"] for r in read_samples(run, 1)]
         == list(range(1, stopped_at + 1))
     )
+
+
+@pytest.mark.slow
+def test_fsdp_matches_ddp_and_resumes(tmp_path_factory, tmp_path):
+    """FSDP2 (fp32 on CPU) follows the same trajectory as DDP; its checkpoints resume like DDP's."""
+    data = synth_dataset(tmp_path_factory.getbasetemp())
+    losses = {}
+    for mode in ("ddp", "fsdp"):
+        (tmp_path / mode).mkdir()
+        proc, run = start_torchrun(
+            tmp_path / mode, data_dir=data, max_steps=8, val_every=0, checkpoint_every=4, fsdp=mode == "fsdp"
+        )
+        try:
+            assert proc.wait(timeout=240) == 0, (tmp_path / mode / "log.txt").read_text()[-3000:]
+        finally:
+            reap(proc)
+        losses[mode] = [r["loss"] for r in read_metrics(run)]
+    assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-4)
+    # Resume the FSDP run from its step-8 checkpoint for 4 more steps.
+    proc, run = start_torchrun(
+        tmp_path / "fsdp", data_dir=data, max_steps=12, val_every=0, checkpoint_every=4, fsdp=True
+    )
+    try:
+        assert proc.wait(timeout=240) == 0, (tmp_path / "fsdp" / "log.txt").read_text()[-3000:]
+    finally:
+        reap(proc)
+    status = read_status(run)
+    assert status["resumed_from_step"] == 8 and status["step"] == 12 and status["phase"] == "done"
