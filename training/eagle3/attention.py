@@ -96,17 +96,21 @@ def resolve_attention(kind: str, device: torch.device) -> str:
     return kind
 
 
-def _query_blocks(doc_start: torch.Tensor, block_size: int) -> Iterator[tuple[int, int, int]]:
-    """(first query, end query, first key) per block; keys of a block run from its first query's document start.
+def _query_blocks(doc_start: torch.Tensor, block_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """(first query a, end query b, first key, last document start) per block of queries.
+
+    Keys of a block run from its first query's document start to b; keys before the block's last
+    document start are the only ones a document boundary can hide.
 
     >>> list(_query_blocks(torch.tensor([0, 0, 2, 2, 2]), 2))
-    [(0, 2, 0), (2, 4, 2), (4, 5, 2)]
+    [(0, 2, 0, 0), (2, 4, 2, 2), (4, 5, 2, 2)]
     """
     seq_len = doc_start.shape[0]
-    firsts = doc_start[::block_size].tolist()  # one host sync per call, not per block
+    firsts = doc_start[::block_size].tolist()  # two host syncs per call, not two per block
+    lasts = [*doc_start[block_size - 1 :: block_size].tolist(), int(doc_start[-1])]
     for n, key_start in enumerate(firsts):
         a = n * block_size
-        yield a, min(a + block_size, seq_len), int(key_start)
+        yield a, min(a + block_size, seq_len), int(key_start), int(lasts[n])
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -118,20 +122,29 @@ def _acc_zeros(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
 
 
-def _block_scores(q_blk, k0, doc_start, a, b, key_start, scale):
-    """Masked step-0 scores of queries a..b-1 against keys key_start..b-1, in fp32: [heads, B, R]."""
-    scores = torch.matmul(q_blk, _acc(k0[:, key_start:b]).transpose(1, 2)) * scale  # [nh, B, R]
-    q_pos = torch.arange(a, b, device=q_blk.device)
-    k_pos = torch.arange(key_start, b, device=q_blk.device)
-    allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= doc_start[a:b, None])  # [B, R]
-    return scores.masked_fill(~allowed, float("-inf"))
+def _block_scores(q_scaled, k0, doc_start, block):
+    """Masked step-0 scores of one query block against its key span, fp32 [heads, B, R] (q pre-scaled).
+
+    Only two sub-regions need a mask: the trailing [B, B] square (causality) and the keys before the
+    block's last document start (document boundaries); everything else is visible.
+    """
+    a, b, key_start, last_start = block
+    scores = torch.matmul(q_scaled, _acc(k0[:, key_start:b]).transpose(1, 2))  # [nh, B, R]
+    n_q = b - a
+    future = torch.ones(n_q, n_q, dtype=torch.bool, device=scores.device).triu_(1)  # [B, B]
+    scores[:, :, -n_q:].masked_fill_(future, float("-inf"))
+    if last_start > key_start:
+        k_pos = torch.arange(key_start, last_start, device=scores.device)
+        other_doc = k_pos[None, :] < doc_start[a:b, None]  # [B, last_start - key_start]
+        scores[:, :, : last_start - key_start].masked_fill_(other_doc, float("-inf"))
+    return scores
 
 
-def _diag_scores(q_blk, diag_keys, a, b, scale):
+def _diag_scores(q_scaled, diag_keys, a, b):
     """Scores of each query against the same-slot key of each later step: [heads, B, m]."""
     if not diag_keys:
-        return q_blk.new_empty(q_blk.shape[0], q_blk.shape[1], 0)
-    return torch.stack([(q_blk * _acc(kd[:, a:b])).sum(-1) for kd in diag_keys], dim=-1) * scale
+        return q_scaled.new_empty(q_scaled.shape[0], q_scaled.shape[1], 0)
+    return torch.stack([(q_scaled * _acc(kd[:, a:b])).sum(-1) for kd in diag_keys], dim=-1)
 
 
 class BlockwiseTTTAttention(torch.autograd.Function):
@@ -142,19 +155,19 @@ class BlockwiseTTTAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block_size: int, doc_start: torch.Tensor, q, k0, v0, *diag):
-        head_dim = q.shape[-1]
-        scale = 1.0 / math.sqrt(head_dim)
+        scale = 1.0 / math.sqrt(q.shape[-1])
         diag_k, diag_v = diag[0::2], diag[1::2]
         out = torch.empty_like(q)  # [nh, S, hd]
         lse = _acc_zeros(q[..., 0])  # [nh, S]
-        for a, b, key_start in _query_blocks(doc_start, block_size):
-            q_blk = _acc(q[:, a:b])  # [nh, B, hd]
-            scores = _block_scores(q_blk, k0, doc_start, a, b, key_start, scale)  # [nh, B, R]
-            d_scores = _diag_scores(q_blk, diag_k, a, b, scale)  # [nh, B, m]
-            row_max = torch.maximum(
-                scores.amax(-1), d_scores.amax(-1) if diag_k else scores.amax(-1)
-            )  # [nh, B]
-            p = torch.exp(scores - row_max[..., None])  # [nh, B, R]
+        for block in _query_blocks(doc_start, block_size):
+            a, b, key_start, _ = block
+            q_scaled = _acc(q[:, a:b]) * scale  # [nh, B, hd]
+            p = _block_scores(q_scaled, k0, doc_start, block)  # [nh, B, R]
+            d_scores = _diag_scores(q_scaled, diag_k, a, b)  # [nh, B, m]
+            row_max = p.amax(-1)  # [nh, B]; finite: every query sees its own step-0 key
+            if diag_k:
+                row_max = torch.maximum(row_max, d_scores.amax(-1))
+            p = p.sub_(row_max[..., None]).exp_()  # [nh, B, R], in place: one block-sized buffer
             p_diag = torch.exp(d_scores - row_max[..., None])  # [nh, B, m]
             denom = p.sum(-1) + p_diag.sum(-1)  # [nh, B]
             o = torch.matmul(p, _acc(v0[:, key_start:b]))  # [nh, B, hd]
@@ -175,26 +188,27 @@ class BlockwiseTTTAttention(torch.autograd.Function):
         dk0 = _acc_zeros(k0)
         dv0 = _acc_zeros(v0)
         d_diag = [_acc_zeros(t) for t in diag]
-        for a, b, key_start in _query_blocks(doc_start, ctx.block_size):
-            q_blk = _acc(q[:, a:b])  # [nh, B, hd]
+        for block in _query_blocks(doc_start, ctx.block_size):
+            a, b, key_start, _ = block
+            q_scaled = _acc(q[:, a:b]) * scale  # [nh, B, hd]
             k_rng = _acc(k0[:, key_start:b])  # [nh, R, hd]
             v_rng = _acc(v0[:, key_start:b])  # [nh, R, hd]
             blk_lse = lse[:, a:b, None]  # [nh, B, 1]
-            p = torch.exp(_block_scores(q_blk, k0, doc_start, a, b, key_start, scale) - blk_lse)  # [nh, B, R]
-            p_diag = torch.exp(_diag_scores(q_blk, diag_k, a, b, scale) - blk_lse)  # [nh, B, m]
+            p = _block_scores(q_scaled, k0, doc_start, block).sub_(blk_lse).exp_()  # [nh, B, R]
+            p_diag = torch.exp(_diag_scores(q_scaled, diag_k, a, b) - blk_lse)  # [nh, B, m]
             g = _acc(grad_out[:, a:b])  # [nh, B, hd]
             delta = (g * _acc(out[:, a:b])).sum(-1, keepdim=True)  # [nh, B, 1]
             dv0[:, key_start:b] += torch.matmul(p.transpose(1, 2), g)
-            ds = p * (torch.matmul(g, v_rng.transpose(1, 2)) - delta)  # [nh, B, R]
-            dq_blk = torch.matmul(ds, k_rng) * scale  # [nh, B, hd]
-            dk0[:, key_start:b] += torch.matmul(ds.transpose(1, 2), q_blk) * scale
+            ds = torch.matmul(g, v_rng.transpose(1, 2)).sub_(delta).mul_(p)  # [nh, B, R]
+            dq_blk = torch.matmul(ds, k_rng)  # [nh, B, hd] (times scale below)
+            dk0[:, key_start:b] += torch.matmul(ds.transpose(1, 2), q_scaled)
             for i, (kd, vd) in enumerate(zip(diag_k, diag_v, strict=True)):
                 pd = p_diag[..., i, None]  # [nh, B, 1]
                 dsd = pd * ((g * _acc(vd[:, a:b])).sum(-1, keepdim=True) - delta)  # [nh, B, 1]
-                dq_blk += dsd * _acc(kd[:, a:b]) * scale
-                d_diag[2 * i][:, a:b] = dsd * q_blk * scale
+                dq_blk += dsd * _acc(kd[:, a:b])
+                d_diag[2 * i][:, a:b] = dsd * q_scaled
                 d_diag[2 * i + 1][:, a:b] = pd * g
-            dq[:, a:b] = dq_blk
+            dq[:, a:b] = dq_blk * scale
         grads = [dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype)]
         grads += [d.to(t.dtype) for d, t in zip(d_diag, diag, strict=True)]
         return None, None, *grads
