@@ -122,6 +122,11 @@ class Options:
         return 2 if self.autocast else FP32
 
     @property
+    def bf16_params(self) -> bool:
+        """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16): every weight the forward sees is bf16."""
+        return self.fsdp and self.autocast
+
+    @property
     def frozen_bytes(self) -> int:
         return 2 if self.frozen_bf16 else FP32
 
@@ -168,30 +173,46 @@ def static_terms(shape: Shape, opts: Options, world_size: int) -> dict[str, int]
     """Bytes that do not depend on max_seq_len, per rank, by name.
 
     DDP (world_size > 1): fp32 weights, fp32 gradients, AdamW state and DDP's fp32 bucket copy of the gradients
-    (gradient_as_bucket_view is off). FSDP2 (fully_shard, bf16 parameters, fp32 reduction): weights, gradients and
-    AdamW sharded over the ranks, plus the unsharded bf16 parameters and fp32 gradients of the module being
-    computed (the whole drafter at worst). Frozen weights are replicated on every rank.
+    (gradient_as_bucket_view is off); frozen weights replicated (bf16 on CUDA). FSDP2 as eagle3/train.py does it
+    (one fully_shard group over the whole drafter, bf16 parameters, fp32 reduction): every parameter, frozen ones
+    included, sharded in fp32; weights and AdamW state of the trainable ones sharded; the whole drafter unsharded in
+    bf16 for the forward and backward, with the bf16 gradients of the trainable weights; the target head rows
+    outside the draft vocab are a buffer, replicated in fp32.
 
     >>> t = static_terms(SHAPES["kimi-k2.5"], Options(), 8)
     >>> round(sum(t.values()) / GIB, 1)
     18.9
+    >>> t = static_terms(SHAPES["kimi-k2.5"], Options(fsdp=True), 8)
+    >>> round(sum(t.values()) / GIB, 1)
+    11.5
     """
     p = shape.trainable_params()
-    shard = world_size if opts.fsdp else 1
+    h, vt, vd = shape.hidden_size, shape.target_vocab_size, shape.draft_vocab_size
+    rest = (vt - vd) * h if opts.keep_full_head and vd < vt else 0  # verifier_lm_head_rest, a buffer
+    frozen = shape.frozen_params(opts.keep_full_head) - rest
     terms = {
-        "weights_fp32": FP32 * p // shard,
-        "grads_fp32": FP32 * p // shard,
-        "optimizer_state": opts.optimizer_state_bytes * p // shard,
-        "frozen_weights": opts.frozen_bytes * shape.frozen_params(opts.keep_full_head),
         # d2t long[V_draft], t2d bool[V_target], rest_target_ids long[V_target - V_draft]
-        "vocab_maps": 8 * shape.draft_vocab_size
-        + shape.target_vocab_size
-        + 8 * (shape.target_vocab_size - shape.draft_vocab_size),
+        "vocab_maps": 8 * vd + vt + (8 * (vt - vd) if rest else 0),
     }
     if opts.fsdp:
-        terms["fsdp_unsharded_params"] = 2 * p if opts.autocast else FP32 * p
-        terms["fsdp_unsharded_grads"] = FP32 * p
-    elif world_size > 1:
+        param_bytes = 2 if opts.autocast else FP32
+        terms |= {
+            "weights_fp32_shard": FP32 * p // world_size,
+            "grads_fp32_shard": FP32 * p // world_size,
+            "optimizer_state_shard": opts.optimizer_state_bytes * p // world_size,
+            "frozen_weights_shard": FP32 * frozen // world_size,
+            "frozen_head_rest": FP32 * rest,
+            "fsdp_unsharded_params": param_bytes * (p + frozen),
+            "fsdp_unsharded_grads": param_bytes * p,
+        }
+        return terms
+    terms |= {
+        "weights_fp32": FP32 * p,
+        "grads_fp32": FP32 * p,
+        "optimizer_state": opts.optimizer_state_bytes * p,
+        "frozen_weights": opts.frozen_bytes * (frozen + rest),
+    }
+    if world_size > 1:
         terms["ddp_buckets"] = FP32 * p
     return terms
 
@@ -223,15 +244,18 @@ def step_held_terms(shape: Shape, seq_len: int, step: int, opts: Options) -> dic
     h, a, i, nh = shape.hidden_size, shape.attention_dim, shape.intermediate_size, shape.num_heads
     lp, fb, s = opts.act_bytes, opts.frozen_bytes, seq_len
     ac = opts.autocast
+    # FSDP's bf16 parameters: RMSNorm weights are bf16 too, so norm outputs are bf16 and no matmul casts its input
+    casts = 3 if ac and not opts.bf16_params else 1
+    post_out = 4 * h if not opts.bf16_params else lp * h
     terms = {
         # input_layernorm(embeds): weight * normed saves normed in the embedding dtype
         "norm_embed": s * fb * h,
         # hidden_norm(hidden): fp32 copy of the input (aliases the fp32 input without autocast) + normed
         "norm_hidden": s * ((FP32 * h if ac else 0) + lp * h),
         # concat [S, 2H]: q/k/v each save their own bf16 cast under autocast, one shared fp32 tensor without
-        "qkv_input": s * (3 if ac else 1) * 2 * h * lp,
+        "qkv_input": s * casts * 2 * h * lp,
         # post_attention_layernorm: fp32 input, normed, and the fp32 output (gate/up save a bf16 cast each)
-        "norm_post": s * (FP32 * h + lp * h + 4 * h),
+        "norm_post": s * (FP32 * h + lp * h + post_out),
         "mlp": s * 4 * i * lp,  # gate, up, silu(gate), silu*up
         "step_output": s * lp * h,  # the new hidden: input of the next step and of the loss chunks
         "rope_tables": s * 2 * FP32 * shape.head_dim,  # cos, sin
@@ -250,8 +274,11 @@ def once_held_terms(shape: Shape, seq_len: int, opts: Options) -> dict[str, int]
     """Bytes held once per row, not per step: fc's saved input and output, autocast's weight copies."""
     h, s, lp = shape.hidden_size, seq_len, opts.act_bytes
     # autocast saves its bf16 cast of aux_hidden; without autocast, fc's .to(fp32) copy unless already fp32
-    no_copy = opts.data_bytes == FP32
-    fc_input = 2 * 3 * h if opts.autocast else (0 if no_copy else FP32 * 3 * h)
+    no_copy = opts.data_bytes == (2 if opts.bf16_params else FP32)
+    if opts.bf16_params:  # aux_hidden (bf16 data) goes into fc as it is: the batch itself is saved
+        fc_input = 0 if no_copy else 2 * 3 * h
+    else:
+        fc_input = 2 * 3 * h if opts.autocast else (0 if no_copy else FP32 * 3 * h)
     if shape.norm_before_fc:
         fc_input += FP32 * 3 * h + lp * 3 * h
     fc_output = lp * h if (opts.activation_checkpointing or not opts.autocast) else 0
@@ -308,6 +335,25 @@ def activation_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) 
     return sum(activation_terms(shape, seq_len, ttt_steps, opts).values())
 
 
+def exact_block_elements(seq_len: int, block: int = EXACT_BLOCK) -> int:
+    """Largest number of score elements per head the exact path's backward holds at once, one document filling
+    the row: the probabilities and their gradient (two [q, R], q queries, keys from the document start to the
+    block end; attention.py computes both in place) and the gradient left from the block before.
+
+    >>> exact_block_elements(512)  # blocks of 256: 2 * 256 * 512 + 256 * 256
+    327680
+    >>> exact_block_elements(384)  # the last block has 128 queries: 2 * 128 * 384 + 256 * 256
+    163840
+    """
+    best, previous = 0, 0
+    for start in range(0, seq_len, block):
+        queries = min(block, seq_len - start)
+        current = queries * (start + queries)
+        best = max(best, 2 * current + previous)
+        previous = current
+    return best
+
+
 def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> dict[str, int]:
     """The backward phases on top of the held bytes; the peak adds the largest (returned as a dict of phases).
 
@@ -317,8 +363,7 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
     decoder_step: backward of the last TTT step. MLP phase: the hidden gradient and three [S, I] gradients.
     Attention phase (the MLP and post-attention norm tensors of the step are freed by then): the gradients of q
     and of every K/V of steps 0..k (fp32 accumulators in the exact path, the flex outputs and rotary fp32
-    intermediates on CUDA); the exact path adds its per-block tensors: three fp32 [heads, block, S] for the last
-    block and one [heads, block, S - block] left from the block before, when one document fills the row.
+    intermediates on CUDA); the exact path adds its per-block tensors (exact_block_elements).
     With activation checkpointing the step's forward is recomputed first: its saved tensors come on top.
     """
     h, a, i, nh = shape.hidden_size, shape.attention_dim, shape.intermediate_size, shape.num_heads
@@ -329,8 +374,7 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
     last = step_held_terms(shape, seq_len, k, opts)
     mlp_phase = 2 * grad_h + s * 3 * i * lp
     if opts.attention == "exact":
-        block = min(EXACT_BLOCK, s)
-        attn = s * (3 + 2 * k) * a * FP32 + FP32 * nh * block * (3 * s + max(s - block, 0))
+        attn = s * (3 + 2 * k) * a * FP32 + FP32 * nh * exact_block_elements(s)
     else:
         attn = s * (1 + 2 * (k + 1)) * a * lp + s * 2 * FP32 * a
     attn_phase = grad_h + attn - last["mlp"] - last["norm_post"]
@@ -339,7 +383,7 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
         # the recomputed forward saves what the plain step saves, except what lives outside the checkpoint
         outside = ("step_output", "loss_weight", "rope_tables")
         decoder += sum(v for name, v in last.items() if name not in outside)
-        if opts.autocast:
+        if opts.autocast and not opts.bf16_params:
             decoder += 2 * (shape.linear_params() - 3 * h * h)  # the layer's bf16 weight copies, made again
     return {"loss_chunk": loss_chunk, "decoder_step": decoder}
 
@@ -355,18 +399,24 @@ def dynamic_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> 
     )
 
 
+def reduce_phase_bytes(shape: Shape, opts: Options) -> int:
+    """FSDP's end of backward: the unsharded gradients cast to fp32 for the reduce-scatter (activations freed)."""
+    return FP32 * shape.trainable_params() if opts.fsdp else 0
+
+
 def predict_peak_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options, world_size: int = 1) -> int:
     """Peak bytes per rank, the reserve included.
 
     >>> kimi = SHAPES["kimi-k2.5"]
     >>> on = Options(activation_checkpointing=True, fsdp=True)
     >>> round(predict_peak_bytes(kimi, 32768, 5, on, world_size=8) / GIB, 1)
-    39.2
+    35.7
     """
+    dynamic = max(dynamic_bytes(shape, seq_len, ttt_steps, opts), reduce_phase_bytes(shape, opts))
     return (
         static_bytes(shape, opts, world_size)
         + batch_bytes(shape, seq_len, opts)
-        + dynamic_bytes(shape, seq_len, ttt_steps, opts)
+        + dynamic
         + int(opts.reserve_gib * GIB)
     )
 

@@ -1,0 +1,259 @@
+"""The memory planner: predictions against bytes the real training step allocates on CPU, the Kimi-shaped
+prediction of issue 7, the choice of a length, bad input, the CLI the Ansible role parses, and the probe's fit
+and cache (with injected measurements: the real probe needs CUDA)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from eagle3 import plan as P
+from eagle3.memtrack import measure_drafter_step
+from eagle3.model import DrafterConfig, Eagle3Drafter
+
+TOLERANCE = 0.15
+
+# Three small shapes with distinct H, heads, head_dim, MLP and vocab so a wrong coefficient on any one shows.
+SHAPES = {
+    "h64": P.Shape(64, 4, 16, 192, 512, 1024),
+    "h128": P.Shape(128, 4, 32, 320, 1024, 2048),
+    "h96": P.Shape(96, 6, 16, 256, 768, 1536),
+}
+CPU_FP32 = P.Options(
+    autocast=False, frozen_bf16=False, attention="exact", device="cpu", reserve_gib=0, loss_chunk_size=256
+)
+# the CUDA recipe (bf16 autocast, frozen weights in bf16) run on CPU: same casts and saved tensors
+CPU_BF16 = dataclasses.replace(CPU_FP32, autocast=True, frozen_bf16=True)
+
+
+def drafter_config(shape: P.Shape) -> DrafterConfig:
+    return DrafterConfig(
+        shape.hidden_size,
+        shape.num_heads,
+        shape.head_dim,
+        shape.intermediate_size,
+        shape.draft_vocab_size,
+        shape.target_vocab_size,
+        (1, 2, 3),
+    )
+
+
+def measure(shape: P.Shape, seq_len: int, ttt_steps: int, opts: P.Options):
+    torch.manual_seed(0)
+    model, _, batch = P.build_probe_step(drafter_config(shape), opts, seq_len, torch.device("cpu"))
+    return measure_drafter_step(
+        model,
+        batch,
+        ttt_steps=ttt_steps,
+        activation_checkpointing=opts.activation_checkpointing,
+        loss_chunk_size=opts.loss_chunk_size,
+        attention=opts.attention,
+        autocast=opts.autocast,
+    )
+
+
+CASES = [(name, s, "fp32", False) for name in SHAPES for s in (384, 768)]
+CASES += [(name, s, "bf16", True) for name in SHAPES for s in (384, 768)]
+CASES += [("h96", 768, "fp32", True), ("h128", 768, "bf16", False)]
+
+
+@pytest.mark.parametrize(("name", "seq_len", "dtype", "ckpt"), CASES)
+def test_prediction_is_within_15_percent_of_measured_bytes(name, seq_len, dtype, ckpt):
+    shape = SHAPES[name]
+    opts = dataclasses.replace(CPU_BF16 if dtype == "bf16" else CPU_FP32, activation_checkpointing=ckpt)
+    measured = measure(shape, seq_len, 3, opts)
+    held = P.activation_bytes(shape, seq_len, 3, opts)
+    peak = P.dynamic_bytes(shape, seq_len, 3, opts)
+    assert abs(held / measured.forward - 1) <= TOLERANCE, (
+        f"held at forward end: predicted {held} vs measured {measured.forward} bytes"
+    )
+    assert abs(peak / measured.peak - 1) <= TOLERANCE, (
+        f"peak: predicted {peak} vs measured {measured.peak} bytes"
+    )
+
+
+def test_parameter_counts_match_the_real_model():
+    for shape in [*SHAPES.values(), P.SHAPES["kimi-k2.5"]]:
+        with torch.device("meta"):
+            model = Eagle3Drafter(drafter_config(shape))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        assert shape.trainable_params() == trainable
+        # the target head rows outside the draft vocab are a buffer filled by load_target_weights
+        rest = (shape.target_vocab_size - shape.draft_vocab_size) * shape.hidden_size
+        assert shape.frozen_params(keep_full_head=True) == frozen + rest
+
+
+def test_kimi_shape_at_32768_fits_96_gb_on_8_gpus_only_with_the_options():
+    kimi = P.SHAPES["kimi-k2.5"]
+    on = P.Options(activation_checkpointing=True, fsdp=True)
+    off = P.Options()
+    assert P.predict_peak_bytes(kimi, 32768, 5, on, world_size=8) / P.GIB <= 90
+    # the story: without the options 32768 does not fit 96 GB
+    assert P.predict_peak_bytes(kimi, 32768, 5, off, world_size=8) / P.GIB > 96
+    # checkpointing alone (DDP) already fits; FSDP takes the static state down further
+    ckpt = P.Options(activation_checkpointing=True)
+    assert P.predict_peak_bytes(kimi, 32768, 5, ckpt, world_size=8) < 90 * P.GIB
+    assert P.static_bytes(kimi, on, 8) < P.static_bytes(kimi, ckpt, 8) - 6 * P.GIB
+
+
+def test_largest_fitting_length_fits_and_the_next_one_does_not():
+    kimi = P.SHAPES["kimi-k2.5"]
+    opts = P.Options(activation_checkpointing=True)
+    plan = P.make_plan(kimi, opts, ttt_steps=5, world_size=8, memory_gb=96, margin=0.1)
+    budget = P.budget_bytes(96, 0.1)
+    chosen = plan.max_seq_len
+    assert chosen % 128 == 0
+    assert P.predict_peak_bytes(kimi, chosen, 5, opts, 8) <= budget
+    assert P.predict_peak_bytes(kimi, chosen + 128, 5, opts, 8) > budget
+    assert [row["fits"] for row in plan.table] == [
+        row["predicted_gb"] * P.GIB <= budget for row in plan.table
+    ]
+
+
+def test_predictions_grow_with_length_steps_and_shrink_with_options():
+    kimi = P.SHAPES["kimi-k2.5"]
+    base = P.Options()
+    lengths = [128 * n for n in (1, 8, 64, 128, 256)]
+    peaks = [P.predict_peak_bytes(kimi, s, 5, base, 8) for s in lengths]
+    assert peaks == sorted(peaks)
+    assert P.predict_peak_bytes(kimi, 16384, 3, base, 8) < P.predict_peak_bytes(kimi, 16384, 7, base, 8)
+    assert P.predict_peak_bytes(
+        kimi, 16384, 5, dataclasses.replace(base, activation_checkpointing=True), 8
+    ) < (P.predict_peak_bytes(kimi, 16384, 5, base, 8))
+
+
+def test_budget_below_the_static_footprint_names_the_static_figure():
+    with pytest.raises(P.ConfigError, match=r"below the static footprint (\d+\.\d) GiB") as err:
+        P.make_plan(P.SHAPES["kimi-k2.5"], P.Options(), ttt_steps=5, world_size=8, memory_gb=16, margin=0.1)
+    static = float(err.value.args[0].split("static footprint ")[1].split(" GiB")[0])
+    expected = (P.static_bytes(P.SHAPES["kimi-k2.5"], P.Options(), 8) + P.GIB) / P.GIB
+    assert static == pytest.approx(expected, abs=0.05)
+
+
+def test_nothing_fits_says_so_with_the_smallest_length():
+    kimi = P.SHAPES["kimi-k2.5"]
+    static = (P.static_bytes(kimi, P.Options(), 8) + P.GIB) / P.GIB
+    with pytest.raises(P.ConfigError, match="no max_seq_len fits: even 128 tokens need"):
+        # a budget just above the static bytes: the 3.6 GB autocast weight copies alone do not fit
+        P.make_plan(kimi, P.Options(), ttt_steps=5, world_size=8, memory_gb=static + 0.5, margin=0.0)
+
+
+@pytest.mark.parametrize(
+    ("opts", "world", "words"),
+    [
+        (
+            P.Options(attention="flex", device="cpu", reserve_gib=0),
+            1,
+            "attention=flex does not combine with device=cpu",
+        ),
+        (P.Options(fsdp=True), 1, "fsdp does not combine with world_size=1"),
+        (P.Options(autocast=False, frozen_bf16=True), 8, "do not combine with dtype fp32"),
+    ],
+)
+def test_options_that_do_not_combine_are_named(opts, world, words):
+    with pytest.raises(P.ConfigError, match=words):
+        P.make_plan(P.SHAPES["tiny"], opts, ttt_steps=5, world_size=world, memory_gb=96, margin=0.1)
+
+
+def test_cli_json_is_what_the_ansible_role_parses(capsys):
+    args = "--shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing --fsdp --json"
+    rc = P.main([*args.split(), "--lengths", "16384,24576,32768"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"max_seq_len", "predicted_gb", "memory_gb", "static_gb", "table", "options"} <= set(out)
+    assert [row["max_seq_len"] for row in out["table"]] == [16384, 24576, 32768]
+    assert all(row["fits"] for row in out["table"])
+    assert out["max_seq_len"] >= 32768 and out["predicted_gb"] <= 96 * 0.9
+    assert out["options"]["activation_checkpointing"] and out["options"]["fsdp"]
+
+
+def test_cli_exits_2_with_a_message_when_nothing_fits(capsys):
+    rc = P.main(["--shape", "kimi-k2.5", "--world-size", "8", "--memory-gb", "12"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "below the static footprint" in err and "GiB" in err
+
+
+def test_cli_reads_the_trainer_config_and_its_dataset(tmp_path, capsys):
+    from eagle3.synth import SynthConfig, synthesize
+
+    data = tmp_path / "data"
+    synthesize(
+        data, SynthConfig(num_samples=4, hidden_size=64, min_len=16, max_len=32), log=lambda *a, **k: None
+    )
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        f"data_dir: {data}\nrun_dir: {tmp_path / 'run'}\nmax_seq_len: auto\nttt_steps: 3\n"
+        "device: cpu\nmemory_limit_gb: 1\nactivation_checkpointing: true\n"
+    )
+    assert P.main(["--config", str(config), "--json", "--lengths", "1024,2048"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["hidden_size"] == 64 and out["ttt_steps"] == 3
+    assert out["options"]["attention"] == "exact" and out["options"]["autocast"] is False
+    assert out["options"]["activation_checkpointing"] is True
+    assert out["max_seq_len"] % 128 == 0 and out["predicted_gb"] <= 0.9
+
+
+def test_cli_config_with_an_unknown_key_exits_2(tmp_path, capsys):
+    config = tmp_path / "train.yaml"
+    config.write_text("data_dir: /x\nrun_dir: /y\nmax_seq_lenn: 4096\n")
+    assert P.main(["--config", str(config), "--memory-gb", "96"]) == 2
+    assert "max_seq_lenn" in capsys.readouterr().err
+
+
+def fake_gpu(a: int, b: int):
+    """A GPU whose peak is static + a + b * S; counts its calls."""
+    calls = []
+
+    def measure(seq_len):
+        calls.append(seq_len)
+        return 10 * P.GIB, 10 * P.GIB + a + b * seq_len
+
+    return measure, calls
+
+
+def test_probe_fits_a_line_chooses_and_caches(tmp_path):
+    kimi = P.SHAPES["kimi-k2.5"]
+    opts = P.Options(activation_checkpointing=True)
+    measure, calls = fake_gpu(a=2 * P.GIB, b=1_000_000)
+    kwargs = dict(
+        ttt_steps=5, world_size=8, memory_gb=96, margin=0.1, lengths=(4096, 8192), gpu_name="Fake GPU 96GB",
+        torch_version="2.13.0", cache_dir=tmp_path,
+    )  # fmt: skip
+    first = P.probe(kimi, opts, measure=measure, **kwargs)
+    assert calls == [4096, 8192]
+    assert first["fit_bytes"]["a"] == pytest.approx(2 * P.GIB) and first["fit_bytes"][
+        "b_per_token"
+    ] == pytest.approx(1e6)
+    budget = P.budget_bytes(96, 0.1)
+    fixed = P.static_bytes(kimi, opts, 8) + P.GIB + 2 * P.GIB
+
+    def predicted(s):
+        return fixed + P.batch_bytes(kimi, s, opts) + 1_000_000 * s
+
+    chosen = first["max_seq_len"]
+    assert predicted(chosen) <= budget < predicted(chosen + 128)
+    second = P.probe(kimi, opts, measure=measure, **kwargs)
+    assert calls == [4096, 8192], "the second probe must come from the cache"
+    assert second["from_cache"] and second["max_seq_len"] == chosen
+    other = P.probe(kimi, opts, measure=measure, **{**kwargs, "gpu_name": "Other GPU"})
+    assert not other["from_cache"] and calls == [4096, 8192, 4096, 8192]
+
+
+def test_probe_without_cuda_is_skipped_cleanly(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; bench/gpu_check.sh runs the real probe")
+    with pytest.raises(P.ProbeUnavailable, match="no CUDA device"):
+        P.probe(
+            P.SHAPES["tiny"],
+            P.Options(),
+            ttt_steps=5,
+            world_size=1,
+            memory_gb=8,
+            margin=0.1,
+            cache_dir=tmp_path,
+        )
+    assert not list(tmp_path.iterdir()), "nothing cached when nothing was measured"
