@@ -63,16 +63,23 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init(requested_device: str, timeout_s: float = 600.0) -> DistInfo:
+def describe(requested_device: str) -> DistInfo:
+    """Rank, world size and device from the environment, without touching CUDA or the network."""
     rank, world, local = env_rank()
-    device = resolve_device(requested_device, local)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
+    return DistInfo(
+        rank=rank, world_size=world, local_rank=local, device=resolve_device(requested_device, local)
+    )
+
+
+def init(info: DistInfo, timeout_s: float = 600.0) -> DistInfo:
+    """Bind this rank to its GPU (before anything creates a CUDA context) and join the process group."""
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
+    if info.enabled and not dist.is_initialized():
+        backend = "nccl" if info.device.type == "cuda" else "gloo"
+        kwargs = {"device_id": info.device} if info.device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
+    return info
 
 
 def all_reduce(tensor: torch.Tensor, info: DistInfo, op: str = "sum") -> torch.Tensor:

@@ -690,19 +690,18 @@ def main(argv: list[str]) -> int:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dist_utils.set_cuda_alloc_conf()
-        device = dist_utils.resolve_device(cfg.device, dist_utils.env_rank()[2])
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA device; use device: auto or cpu")
-        apply_memory_limit(cfg.memory_limit_gb, device)
+        describe = dist_utils.describe(cfg.device)
         hold_standin_device(cfg.standin_gpu_devices, rank)
         if rank == 0:
             ckpt.remove_stale(cfg.run_dir)
             dump_config(cfg, cfg.run_dir)
             files.update_status(phase="starting")
-        trainer_info = dist_utils.init(cfg.device)
-        info = trainer_info
-        trainer = Trainer(cfg, info, files, stop)
-        trainer.check_data()
+        trainer = Trainer(cfg, describe, files, stop)
+        trainer.check_data()  # bad data exits 2 here, before CUDA or the process group take GPU memory
+        info = dist_utils.init(describe)
+        apply_memory_limit(cfg.memory_limit_gb, info.device)
         if info.device.type == "cuda" and dist_utils.expandable_segments_active() is False:
             trainer.log(
                 "warning: expandable_segments is not active in the CUDA allocator (PYTORCH_ALLOC_CONF)"

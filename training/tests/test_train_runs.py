@@ -115,7 +115,7 @@ def _status_error(run_dir):
             ["max_seq_len=128", "shortest document", "at least"],
         ),
         (["--data-dir", "/nonexistent/data"], ["/nonexistent/data", "index.json is missing"]),
-        (["--fsdp"], ["fsdp"]),
+        (["--device", "cpu", "--attention", "flex"], ["attention='flex' needs CUDA", "exact"]),
     ],
 )
 def test_bad_input_exits_2_with_the_reason_in_status(tmp_path_factory, tmp_path, data, override, words):
