@@ -55,12 +55,12 @@ ansible_facts:
       type: str
 """
 
-import os  # noqa: E402 - Ansible modules open with their documentation blocks
-import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
+import os
+import re
+import shutil
+import subprocess
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.basic import AnsibleModule
 
 LIB = re.compile(r"^libnvidia-ml\.so\.(\d+\.\d+(?:\.\d+)?)$")
 

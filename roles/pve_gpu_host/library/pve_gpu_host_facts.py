@@ -68,10 +68,10 @@ ansible_facts:
       type: str
 """
 
-import os  # noqa: E402 - Ansible modules open with their documentation blocks
-import re  # noqa: E402
+import os
+import re
 
-from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+from ansible.module_utils.basic import AnsibleModule
 
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 BIN_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin", "/bin", "/sbin")
