@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -124,6 +125,33 @@ def lr_lambda(warmup: int, total: int):
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return f
+
+
+class RowPrefetcher:
+    """Reads the next step's row in one background thread while the current step computes.
+
+    The thread has its own DatasetReader (its own shard handles), so nothing is shared with the main
+    thread's reads during validation. Errors (bad shard, out of memory) surface in `get`.
+    """
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        self.reader = DatasetReader(trainer.cfg.data_dir)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-fetch")
+        self.pending: tuple[tuple[int, int], Future] | None = None
+
+    def schedule(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> None:
+        self.pending = (key, self.pool.submit(self.trainer.fetch_row, sample_ids, filler_id, self.reader))
+
+    def get(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
+        if self.pending is not None and self.pending[0] == key:
+            future = self.pending[1]
+            self.pending = None
+            return future.result()
+        return self.trainer.fetch_row(sample_ids, filler_id)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Trainer:
@@ -314,15 +342,28 @@ class Trainer:
         return state
 
     # ----------------------------------------------------------------------------------- pieces
-    def fetch_row(self, sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
+    def fetch_row(
+        self, sample_ids: list[int], filler_id: int, reader: DatasetReader | None = None
+    ) -> tuple[dict, bool]:
         """This rank's packed row; (row, real). An empty assignment becomes a zero-weight filler row."""
+        reader = reader or self.reader
         real = bool(sample_ids)
         ids = sample_ids if real else [filler_id]
-        samples = [self.reader.sample(i, self.cfg.max_seq_len) for i in ids]
-        row = build_row(samples, self.cfg.max_seq_len, self.reader.index.hidden_size)
+        samples = [reader.sample(i, self.cfg.max_seq_len) for i in ids]
+        row = build_row(samples, self.cfg.max_seq_len, reader.index.hidden_size)
         if not bool(row["loss_mask"].any()):
             real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
+        if self.info.device.type == "cuda":
+            row = {k: v.pin_memory() for k, v in row.items()}  # lets the copy to the GPU run asynchronously
         return row, real
+
+    def next_position(self, state: ckpt.TrainerState) -> tuple[int, int] | None:
+        """(epoch, index in the epoch plan) of the step after the current one, or None at the end."""
+        if state.step + 1 >= self.total_steps:
+            return None
+        if state.step_in_epoch + 1 < len(self.plan(state.epoch)):
+            return state.epoch, state.step_in_epoch + 1
+        return state.epoch + 1, 0
 
     def to_device(self, row: dict) -> dict:
         non_blocking = self.info.device.type == "cuda"
@@ -447,13 +488,18 @@ class Trainer:
             record_file = (Path(cfg.run_dir) / f"samples_rank{info.rank}.jsonl").open("a")
         self.model.train()
         stopped = False
+        prefetch = RowPrefetcher(self)
         while state.step < self.total_steps:
             plan = self.plan(state.epoch)
             sample_ids = plan.steps[state.step_in_epoch][info.rank]
-            filler = plan.steps[0][0][0]
 
             t0 = time.perf_counter()
-            row, real = self.fetch_row(sample_ids, filler)
+            row, real = prefetch.get((state.epoch, state.step_in_epoch), sample_ids, plan.steps[0][0][0])
+            upcoming = self.next_position(state)
+            if upcoming is not None:  # read the next row while this step computes
+                next_plan = self.plan(upcoming[0])
+                prefetch.schedule(upcoming, next_plan.steps[upcoming[1]][info.rank], next_plan.steps[0][0][0])
+                self.plan(state.epoch)  # keep the current epoch's plan cached
             tokens = int((row["document_ids"] >= 0).sum()) if real else 0
             batch = self.to_device(row)
             self.sync()
@@ -520,6 +566,7 @@ class Trainer:
                 self.log(f"stopped cleanly at step {state.step} ({self.stop.signal_name or 'another rank'})")
                 break
 
+        prefetch.close()
         if record_file is not None:
             record_file.close()
         self.files.update_status(phase="stopped" if stopped else "done", step=state.step, epoch=state.epoch)
