@@ -166,11 +166,17 @@ def prune(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
 
 
 def save_best(run_dir: str | os.PathLike, step_checkpoint: Path) -> Path:
-    """Copy a complete step checkpoint to `checkpoints/best` atomically (copy, then rename over)."""
+    """Publish a complete step checkpoint as `checkpoints/best` atomically (link or copy, then rename over)."""
     root = checkpoints_dir(run_dir)
     tmp = root / ".tmp_best"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(step_checkpoint, tmp)
+    # Hard links: step checkpoints are never modified once complete, and a copy of a large drafter's
+    # optimizer state would take minutes. Falls back to copying across filesystems.
+    try:
+        shutil.copytree(step_checkpoint, tmp, copy_function=os.link)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(step_checkpoint, tmp)
     _fsync_dir(tmp)
     old = root / ".old_best"
     best = root / BEST

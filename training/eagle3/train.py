@@ -1,20 +1,23 @@
 """The training loop: read top to bottom.
 
-    setup      config -> memory limit -> stand-in device -> process group -> dataset checks -> model -> resume
-    each step  fetch one packed row per rank -> TTT forward -> backward -> clip -> AdamW -> scheduler
+    setup      config -> stand-in device -> dataset checks (exit 2) -> process group -> memory limit -> model
+               -> resume from the newest valid checkpoint
+    each step  fetch one packed row per rank (prefetched) -> TTT forward -> backward -> clip -> AdamW -> scheduler
     boundary   one collective: stop flag (+ metrics at log steps) -> log -> validate -> checkpoint -> stop?
     exit       0 done or stopped cleanly, 2 bad config/data, 3 out of memory, 1 anything else
 
-Everything that can be checked without the GPU is checked before the model is built, so bad input exits
-with code 2 before any GPU memory is taken.
+Everything that can be checked without the GPU is checked before CUDA or the process group are touched, so
+bad input exits with code 2 before any GPU memory is taken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -24,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from eagle3 import checkpoint as ckpt
@@ -382,8 +386,6 @@ class Trainer:
         self.files.update_status(phase="checkpointing")
         tmp = ckpt.tmp_dir_for(self.cfg.run_dir, state.step)
         if self.info.is_main:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist_utils.barrier(self.info)
@@ -676,8 +678,6 @@ def _raw_value(argv: list[str], config_path: str | None, key: str) -> str | None
             return arg.split("=", 1)[1]
     if config_path:
         try:
-            import yaml
-
             data = yaml.safe_load(Path(config_path).read_text())
             if isinstance(data, dict) and data.get(key) is not None:
                 return str(data[key])
@@ -723,6 +723,9 @@ def main(argv: list[str]) -> int:
             return
         if rank == 0 and kind == "crash" and _recent_oom(files, since=started_at):
             return
+        if rank != 0:  # keep rank 0's progress fields, add the error
+            with contextlib.suppress(OSError, ValueError):
+                files.status.update(json.loads((files.run_dir / "status.json").read_text()))
         files.enabled = True
         files.update_status(
             phase="failed", error={"kind": kind, "message": message, "max_seq_len": cfg.max_seq_len}
@@ -786,8 +789,6 @@ def main(argv: list[str]) -> int:
 
 def _recent_oom(files: RunFiles, since: float) -> bool:
     """Whether another rank of this run already recorded an OOM in status.json."""
-    import json
-
     try:
         status = json.loads((files.run_dir / "status.json").read_text())
     except (OSError, ValueError):
