@@ -272,7 +272,10 @@ class Trainer:
         )
         steps_per_epoch = len(self.plan(0))
         self.steps_per_epoch = steps_per_epoch
-        self.total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+        # Each epoch's shuffle packs slightly differently: count every epoch's own plan.
+        self.total_steps = cfg.max_steps or steps_per_epoch + sum(
+            len(self.plan(epoch)) for epoch in range(1, cfg.epochs)
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, self.total_steps)
         )
@@ -558,11 +561,13 @@ class Trainer:
             due_val = not stop_now and (last or (cfg.val_every > 0 and state.step % cfg.val_every == 0))
             val = self.validate(state.step) if due_val else None
             improved = self.note_validation(val, state)
-            if last or stop_now or improved or state.step % cfg.checkpoint_every == 0:
+            due_ckpt = last or stop_now or improved or state.step % cfg.checkpoint_every == 0
+            if due_ckpt:
                 path = self.save_checkpoint(state)
                 if improved and path is not None:
                     ckpt.save_best(cfg.run_dir, path)
-            self.files.update_status(phase="training")
+            if due_val or due_ckpt:
+                self.files.update_status(phase="training")
             if stop_now:
                 stopped = True
                 self.log(f"stopped cleanly at step {state.step} ({self.stop.signal_name or 'another rank'})")

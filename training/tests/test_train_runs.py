@@ -279,3 +279,16 @@ def test_16384_token_row_runs_in_bounded_memory(tmp_path, data):
     # One fp32 S x S score matrix would be 1 GiB (per head); the whole process stays below that.
     assert record["peak_mem_gb"] < 1.0  # torch itself is ~0.25 GiB RSS; measured 0.62 GiB
     assert record["tokens"] > 16384 * 0.8
+
+
+def test_epochs_cover_every_training_sample_once_each(tmp_path, data):
+    cfg = _config(tmp_path, data, max_seq_len=2048, ttt_steps=1, epochs=3, log_every=50)
+    assert run_trainer(["train", "--config", str(cfg)], tmp_path / "log.txt", timeout=180) == 0
+    records = read_samples(tmp_path / "run")
+    train_ids, _ = split_train_val(DatasetReader(data).index.num_samples, 0.1)
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    for epoch in range(3):
+        assert sorted(s for r in records if r["epoch"] == epoch for s in r["ids"]) == train_ids
+    orders = [[s for r in records if r["epoch"] == e for s in r["ids"]] for e in range(3)]
+    assert orders[0] != orders[1] != orders[2]  # reshuffled every epoch
+    assert read_status(tmp_path / "run")["step"] == len(records)
