@@ -131,7 +131,8 @@ def _block_scores(q_scaled, k0, doc_start, block):
     a, b, key_start, last_start = block
     scores = torch.matmul(q_scaled, _acc(k0[:, key_start:b]).transpose(1, 2))  # [nh, B, R]
     n_q = b - a
-    future = torch.ones(n_q, n_q, dtype=torch.bool, device=scores.device).triu_(1)  # [B, B]
+    idx = torch.arange(n_q, device=scores.device)
+    future = idx[None, :] > idx[:, None]  # [B, B] (bool triu_ is ~1000x slower on CPU here)
     scores[:, :, -n_q:].masked_fill_(future, float("-inf"))
     if last_start > key_start:
         k_pos = torch.arange(key_start, last_start, device=scores.device)
@@ -155,6 +156,15 @@ class BlockwiseTTTAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, block_size: int, doc_start: torch.Tensor, q, k0, v0, *diag):
+        # Under autocast the block matmuls would drop to bf16; this path accumulates in fp32 itself.
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = BlockwiseTTTAttention._forward(block_size, doc_start, q, k0, v0, diag)
+        ctx.block_size = block_size
+        ctx.save_for_backward(doc_start, q, k0, v0, out, lse, *diag)
+        return out
+
+    @staticmethod
+    def _forward(block_size, doc_start, q, k0, v0, diag):
         scale = 1.0 / math.sqrt(q.shape[-1])
         diag_k, diag_v = diag[0::2], diag[1::2]
         out = torch.empty_like(q)  # [nh, S, hd]
@@ -175,20 +185,26 @@ class BlockwiseTTTAttention(torch.autograd.Function):
                 o += p_diag[..., i, None] * _acc(vd[:, a:b])
             out[:, a:b] = (o / denom[..., None]).to(q.dtype)
             lse[:, a:b] = row_max + torch.log(denom)
-        ctx.block_size = block_size
-        ctx.save_for_backward(doc_start, q, k0, v0, out, lse, *diag)
-        return out
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out):
         doc_start, q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            grads = BlockwiseTTTAttention._backward(
+                ctx.block_size, grad_out, doc_start, q, k0, v0, out, lse, diag
+            )
+        return None, None, *grads
+
+    @staticmethod
+    def _backward(block_size, grad_out, doc_start, q, k0, v0, out, lse, diag):
         diag_k, diag_v = diag[0::2], diag[1::2]
         scale = 1.0 / math.sqrt(q.shape[-1])
         dq = _acc_zeros(q)
         dk0 = _acc_zeros(k0)
         dv0 = _acc_zeros(v0)
         d_diag = [_acc_zeros(t) for t in diag]
-        for block in _query_blocks(doc_start, ctx.block_size):
+        for block in _query_blocks(doc_start, block_size):
             a, b, key_start, _ = block
             q_scaled = _acc(q[:, a:b]) * scale  # [nh, B, hd]
             k_rng = _acc(k0[:, key_start:b])  # [nh, R, hd]
@@ -211,7 +227,7 @@ class BlockwiseTTTAttention(torch.autograd.Function):
             dq[:, a:b] = dq_blk * scale
         grads = [dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype)]
         grads += [d.to(t.dtype) for d, t in zip(d_diag, diag, strict=True)]
-        return None, None, *grads
+        return grads
 
 
 def exact_ttt_attention(
