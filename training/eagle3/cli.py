@@ -89,7 +89,9 @@ def cmd_export(argv: list[str]) -> int:
     from eagle3.export import export_speculators
 
     model, path, cfg = load_trained(args.run_dir, args.checkpoint)
-    export_speculators(model, args.out_dir, speculative_tokens=cfg.ttt_steps, verifier_name_or_path=args.verifier)
+    export_speculators(
+        model, args.out_dir, speculative_tokens=cfg.ttt_steps, verifier_name_or_path=args.verifier
+    )
     print(f"exported {path} -> {args.out_dir}", flush=True)
     return EXIT_OK
 
