@@ -149,3 +149,28 @@ def test_fsdp_matches_ddp_and_resumes(tmp_path_factory, tmp_path):
         reap(proc)
     status = read_status(run)
     assert status["resumed_from_step"] == 8 and status["step"] == 12 and status["phase"] == "done"
+
+
+@pytest.mark.slow
+def test_out_of_memory_under_torchrun_is_recorded_as_oom(tmp_path_factory, tmp_path):
+    """Both ranks hit their 1 GB address-space limit at 16384 tokens; status.json says oom, ranks exit 3."""
+    data = synth_dataset(tmp_path_factory.getbasetemp())
+    proc, run = start_torchrun(
+        tmp_path,
+        data_dir=data,
+        max_seq_len=16384,
+        ttt_steps=5,
+        max_steps=2,
+        memory_limit_gb=1.0,
+        val_fraction=0.0,
+    )
+    try:
+        rc = proc.wait(timeout=240)
+    finally:
+        reap(proc)
+    log = (tmp_path / "log.txt").read_text()
+    assert rc != 0  # torchrun reports a failed worker; eagle3.launch maps status.json to exit 3
+    assert "exitcode  : 3" in log, log[-3000:]
+    status = read_status(run)
+    assert status["phase"] == "failed" and status["error"]["kind"] == "oom", status
+    assert status["error"]["max_seq_len"] == 16384 and "16384" in status["error"]["message"]
