@@ -139,3 +139,27 @@ def test_flex_backward_is_unavailable_on_cpu_as_documented():
     q, keys, values = _qkv(0, 128, dtype=torch.float32)
     with pytest.raises(NotImplementedError):
         TTTAttention(doc, "flex")(q, keys, values)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs CUDA")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_flex_matches_exact_forward_and_backward_on_cuda(make_model, make_row, tiny_config, checkpointing):
+    cfg = tiny_config()
+    batch = make_row(cfg, [200, 150, 100], seq_len=512, mask_prob=0.8)
+    results = {}
+    for kind in ("exact", "flex"):
+        model = make_model(cfg).cuda()
+        loss, stats = ttt_forward(
+            model, batch, ttt_steps=3, attention=kind, activation_checkpointing=checkpointing
+        )
+        loss.backward()
+        results[kind] = (
+            loss.detach(),
+            {n: p.grad for n, p in model.named_parameters() if p.requires_grad},
+            stats,
+        )
+    (loss_e, grads_e, stats_e), (loss_f, grads_f, stats_f) = results["exact"], results["flex"]
+    torch.testing.assert_close(loss_f, loss_e, rtol=1e-4, atol=1e-4)
+    assert torch.equal(stats_f["count"], stats_e["count"])
+    for name in grads_e:
+        torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-3, atol=1e-4, msg=name)
