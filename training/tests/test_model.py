@@ -141,7 +141,7 @@ def test_bf16_frozen_weights_stay_close_to_fp32(make_model, make_row, tiny_confi
     for model in (make_model(cfg), make_model(cfg).frozen_to(torch.bfloat16)):
         loss, _ = ttt_forward(model, batch, ttt_steps=3)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]))
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.fc.weight.dtype == torch.float32
     assert abs(losses[1] - losses[0]) / losses[0] < 1e-4
