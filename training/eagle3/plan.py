@@ -285,12 +285,12 @@ def once_held_terms(shape: Shape, seq_len: int, opts: Options) -> dict[str, int]
     return {
         "fc_input": s * fc_input,
         "fc_output": s * fc_output,
-        # autocast caches one bf16 copy of each trainable weight per forward and the matmuls save it for backward;
-        # under activation checkpointing only fc's stays (the layer's are made again in the recompute)
+        # autocast caches a bf16 copy of each trainable weight per forward; a matmul saves it when its input needs
+        # a gradient: not fc's (aux_hidden has none), and under activation checkpointing none (made again later)
         "autocast_weight_copies": (
             0
-            if not opts.autocast
-            else 2 * (3 * h * h if opts.activation_checkpointing else shape.linear_params())
+            if not opts.autocast or opts.bf16_params or opts.activation_checkpointing
+            else 2 * (shape.linear_params() - 3 * h * h)
         ),
     }
 
@@ -328,9 +328,9 @@ def activation_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) 
 
     >>> kimi = SHAPES["kimi-k2.5"]
     >>> round(activation_bytes(kimi, 32768, 5, Options()) / GIB, 1)
-    71.6
+    71.3
     >>> round(activation_bytes(kimi, 32768, 5, Options(activation_checkpointing=True)) / GIB, 1)
-    6.3
+    6.0
     """
     return sum(activation_terms(shape, seq_len, ttt_steps, opts).values())
 
@@ -377,14 +377,27 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
         attn = s * (3 + 2 * k) * a * FP32 + FP32 * nh * exact_block_elements(s)
     else:
         attn = s * (1 + 2 * (k + 1)) * a * lp + s * 2 * FP32 * a
+    # Weight gradients: every TTT step adds into the same per-weight gradient buffer (in the matmul dtype: under
+    # autocast the bf16 weight copy collects them before the cast back to fp32), which is passed on only after
+    # the last use; so a phase holds the buffers of the weights already reached, plus one new weight gradient.
+    layer = shape.linear_params() - 3 * h * h
+    mlp_o = 3 * h * i + a * h
+    largest = max(2 * h * a, h * i)
     attn_phase = grad_h + attn - last["mlp"] - last["norm_post"]
-    decoder = max(mlp_phase, attn_phase)
+    # q/k/v input gradients: one per cast copy of the concat, summed in fp32 (attention tensors freed by then)
+    casts = 3 if opts.autocast and not opts.bf16_params else 1
+    qkv_phase = grad_h + s * 2 * h * (casts * lp + FP32) - last["mlp"] - last["norm_post"] - last["attention"]
+    # Without checkpointing the peak is in the last step's backward, the first to fill the buffers (the MLP's
+    # first); with it, every step's backward looks alike and the later steps have filled the buffers already.
+    buffers = (layer, layer, layer) if opts.activation_checkpointing else (0, mlp_o, layer)
+    phases = (mlp_phase, attn_phase, qkv_phase)
+    decoder = max(p + lp * b for p, b in zip(phases, buffers, strict=True)) + lp * largest
     if opts.activation_checkpointing:
         # the recomputed forward saves what the plain step saves, except what lives outside the checkpoint
         outside = ("step_output", "loss_weight", "rope_tables")
         decoder += sum(v for name, v in last.items() if name not in outside)
         if opts.autocast and not opts.bf16_params:
-            decoder += 2 * (shape.linear_params() - 3 * h * h)  # the layer's bf16 weight copies, made again
+            decoder += 2 * layer  # the layer's bf16 weight copies, made again
     return {"loss_chunk": loss_chunk, "decoder_step": decoder}
 
 
@@ -410,7 +423,7 @@ def predict_peak_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options
     >>> kimi = SHAPES["kimi-k2.5"]
     >>> on = Options(activation_checkpointing=True, fsdp=True)
     >>> round(predict_peak_bytes(kimi, 32768, 5, on, world_size=8) / GIB, 1)
-    35.7
+    36.8
     """
     dynamic = max(dynamic_bytes(shape, seq_len, ttt_steps, opts), reduce_phase_bytes(shape, opts))
     return (
