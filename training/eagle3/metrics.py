@@ -15,17 +15,8 @@ from pathlib import Path
 import torch
 
 from eagle3.config import atomic_write_json
+from eagle3.model import STAT_KEYS  # the sum/count pairs ttt_forward returns: one definition
 
-STAT_KEYS = (
-    "loss_sum",
-    "full_acc_sum",
-    "cond_acc_sum",
-    "cond_acc_count",
-    "full_acc_true_sum",
-    "cond_acc_true_sum",
-    "cond_acc_true_count",
-    "count",
-)
 TIMER_KEYS = ("fetch", "fwd", "bwd", "opt")
 # Extra scalars reduced with the stats: summed across ranks, except peak memory (max).
 SCALAR_SUM_KEYS = ("tokens", "rows", "steps", *TIMER_KEYS)
