@@ -24,7 +24,9 @@ def _duration(seconds) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def training_summary(status: dict | None, unit: dict | None, gpus: list | None, unit_name: str = "eagle3-train.service"):
+def training_summary(
+    status: dict | None, unit: dict | None, gpus: list | None, unit_name: str = "eagle3-train.service"
+):
     """Summary lines for train.yml and status.yml.
 
     >>> training_summary({"phase": "training", "step": 12, "world_size": 2, "max_seq_len": 16384,
@@ -57,7 +59,9 @@ def training_summary(status: dict | None, unit: dict | None, gpus: list | None, 
         lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
     if s.get("error"):
         err = s["error"]
-        lines.append(f"last error ({err.get('kind', '?')}, max_seq_len {err.get('max_seq_len', '?')}): {err.get('message', '')}")
+        lines.append(
+            f"last error ({err.get('kind', '?')}, max_seq_len {err.get('max_seq_len', '?')}): {err.get('message', '')}"
+        )
     if not gpus:
         lines.append("GPUs: none visible (CPU workers)")
     for g in gpus or []:
