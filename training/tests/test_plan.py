@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +265,30 @@ def test_probe_without_cuda_is_skipped_cleanly(tmp_path):
             cache_dir=tmp_path,
         )
     assert not list(tmp_path.iterdir()), "nothing cached when nothing was measured"
+
+
+GPU_CHECK = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
+
+
+def test_gpu_check_script_parses_and_fails_fast_without_a_gpu(tmp_path):
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)], check=False).returncode == 0
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an NVIDIA driver: the real check is for the GPU session")
+    run = subprocess.run([str(GPU_CHECK)], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 2
+    assert "no NVIDIA driver" in run.stderr and "--dry-run" in run.stderr
+
+
+def test_gpu_check_dry_run_exercises_the_same_python_path_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    args = [str(GPU_CHECK), "--dry-run", "--sections", "cleanup,flex,probe", "--output", str(out)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    figures = json.loads(out.read_text())
+    sections = figures["sections"]
+    assert "skipped" in sections["cleanup"]
+    assert sections["flex"]["ok"] and sections["flex"]["max_abs_diff_out"] < 1e-4
+    probe = sections["probe"]
+    assert probe["second_call_from_cache"] and probe["probe_choice"] % 128 == 0
+    assert all(abs(e) <= TOLERANCE for e in probe["probe"]["analytic_error"])

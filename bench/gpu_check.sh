@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU-only checks of eagle3-pve in one run (< 8 minutes): real /dev/nvidia* holders released by gpu_cleanup
+# with NVML back to baseline, flex_attention forward+backward, peak memory and tokens/s per max_seq_len for a
+# Kimi-shaped drafter on one GPU, planner prediction vs measured, the probe and its cache.
+#
+#   bench/gpu_check.sh             on a CUDA machine; figures in $OUT/gpu_check.json or bench/results/
+#   bench/gpu_check.sh --dry-run   anywhere: the same Python code path on CPU with a tiny drafter
+#
+# PYTHON=/path/to/python picks the interpreter (default: .venv-train/bin/python, else python3, with torch).
+# GPU_CHECK_TIMEOUT (seconds, default 470) bounds the whole run. Exit 2: no usable GPU or Python.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dry_run=0
+for arg in "$@"; do
+    [[ "$arg" == "--dry-run" ]] && dry_run=1
+done
+
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+    for candidate in .venv-train/bin/python python3; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" >/dev/null 2>&1; then
+            python="$candidate"
+            break
+        fi
+    done
+fi
+if [[ -z "$python" ]]; then
+    echo "gpu_check: no Python with torch found (tried .venv-train/bin/python, python3); set PYTHON=..." >&2
+    exit 2
+fi
+
+if [[ "$dry_run" == 0 ]]; then
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        echo "gpu_check: nvidia-smi not found: no NVIDIA driver on this machine; use --dry-run for the CPU path" >&2
+        exit 2
+    fi
+    if ! timeout 20 nvidia-smi -L >/dev/null 2>&1; then
+        echo "gpu_check: nvidia-smi -L failed or hung (driver not loaded, or a GPU in a bad state)" >&2
+        exit 2
+    fi
+    if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        version=$("$python" -c "import torch; print(torch.__version__)" 2>/dev/null || echo "?")
+        echo "gpu_check: $python has torch $version without a usable CUDA device (a CPU build?)" >&2
+        exit 2
+    fi
+    timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader || true
+fi
+
+export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+export PYTHONUNBUFFERED=1
+exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-470}" "$python" bench/gpu_check.py "$@"
