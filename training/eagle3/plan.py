@@ -114,7 +114,9 @@ class Options:
     optimizer_state_bytes: int = 8  # AdamW: exp_avg + exp_avg_sq in fp32
     keep_full_head: bool = True
     device: str = "cuda"
-    reserve_gib: float = 1.0  # CUDA context + NCCL + allocator slack; 0 on CPU
+    reserve_gib: float = (
+        1.0  # not seen by torch's counters: CUDA context + NCCL + slack; on CPU the process's own mappings
+    )
 
     @property
     def act_bytes(self) -> int:
@@ -842,7 +844,9 @@ def options_from_config(cfg, device: str) -> Options:
         attention=attention,
         loss_chunk_size=cfg.loss_chunk_size,
         device=device,
-        reserve_gib=1.0 if device == "cuda" else 0.0,
+        # CUDA: context, NCCL buffers, allocator slack. CPU: memory_limit_gb is an address-space limit
+        # (RLIMIT_AS) and an idle trainer process maps ~0.8 GiB (interpreter, torch, thread stacks and arenas).
+        reserve_gib=1.0,
     )
 
 
@@ -860,6 +864,13 @@ def shape_from_config(cfg) -> tuple[Shape, int]:
     )  # fmt: skip
     data_bytes = {"float32": 4, "fp32": 4}.get(str(index.dtype).replace("torch.", ""), 2)
     return shape, data_bytes
+
+
+def local_device() -> str:
+    """device: auto resolved as the trainer resolves it on this machine (the plan runs where the trainer will)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_trainer_config(path: str):
@@ -952,8 +963,8 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
         shape, data_bytes = shape_from_config(cfg)
         ttt_steps = cfg.ttt_steps
         memory = cfg.memory_limit_gb or None
-        if cfg.device in ("cpu", "cuda") and args.device is None:
-            device = cfg.device
+        if args.device is None:
+            device = cfg.device if cfg.device in ("cpu", "cuda") else local_device()
     else:
         cfg = SimpleNamespace(
             dtype="auto", attention="auto", activation_checkpointing=False, fsdp=False, loss_chunk_size=4096
