@@ -114,9 +114,12 @@ class Options:
     optimizer_state_bytes: int = 8  # AdamW: exp_avg + exp_avg_sq in fp32
     keep_full_head: bool = True
     device: str = "cuda"
-    reserve_gib: float = (
-        1.0  # not seen by torch's counters: CUDA context + NCCL + slack; on CPU the process's own mappings
-    )
+    # not seen by torch's counters: CUDA context, NCCL buffers, slack; on CPU the process's own mappings
+    reserve_gib: float = 1.0
+    # process memory per byte of live tensors: 1 with CUDA's caching allocator (expandable segments); on CPU glibc
+    # keeps freed blocks mapped, and the trainer's address space grew 1.43 x as fast as its live tensors (measured:
+    # VmPeak of `eagle3 train` at max_seq_len 2048 and 8320, hidden 64); memory_limit_gb there is RLIMIT_AS
+    allocator_factor: float = 1.0
 
     @property
     def act_bytes(self) -> int:
@@ -428,12 +431,8 @@ def predict_peak_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options
     36.8
     """
     dynamic = max(dynamic_bytes(shape, seq_len, ttt_steps, opts), reduce_phase_bytes(shape, opts))
-    return (
-        static_bytes(shape, opts, world_size)
-        + batch_bytes(shape, seq_len, opts)
-        + dynamic
-        + int(opts.reserve_gib * GIB)
-    )
+    growing = int((batch_bytes(shape, seq_len, opts) + dynamic) * opts.allocator_factor)
+    return static_bytes(shape, opts, world_size) + growing + int(opts.reserve_gib * GIB)
 
 
 def breakdown(shape: Shape, seq_len: int, ttt_steps: int, opts: Options, world_size: int = 1) -> dict:
@@ -448,6 +447,7 @@ def breakdown(shape: Shape, seq_len: int, ttt_steps: int, opts: Options, world_s
         "held": gib(activation_terms(shape, seq_len, ttt_steps, opts)),
         "transient": gib(transient_terms(shape, seq_len, ttt_steps, opts)),
         "reserve": opts.reserve_gib,
+        "allocator_factor": opts.allocator_factor,
         "peak": round(predict_peak_bytes(shape, seq_len, ttt_steps, opts, world_size) / GIB, 3),
     }
 
@@ -844,10 +844,23 @@ def options_from_config(cfg, device: str) -> Options:
         attention=attention,
         loss_chunk_size=cfg.loss_chunk_size,
         device=device,
-        # CUDA: context, NCCL buffers, allocator slack. CPU: memory_limit_gb is an address-space limit
-        # (RLIMIT_AS) and an idle trainer process maps ~0.8 GiB (interpreter, torch, thread stacks and arenas).
-        reserve_gib=1.0,
+        reserve_gib=1.0 if device == "cuda" else cpu_reserve_gib(cfg.num_threads),
+        allocator_factor=1.0 if device == "cuda" else CPU_ALLOCATOR_FACTOR,
     )
+
+
+CPU_ALLOCATOR_FACTOR = 1.5  # see Options.allocator_factor
+
+
+def cpu_reserve_gib(num_threads: int = 0) -> float:
+    """Address space of a CPU trainer before its tensors: interpreter, torch, the mapped dataset shards and
+    thread stacks (VmPeak 1.0 GiB at 3 threads, measured), plus 64 MiB of malloc arena per extra thread.
+
+    >>> cpu_reserve_gib(3)
+    1.125
+    """
+    threads = num_threads or os.cpu_count() or 1
+    return 1.0 + max(threads - 1, 0) * 0.0625
 
 
 def shape_from_config(cfg) -> tuple[Shape, int]:
@@ -933,7 +946,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("auto", "flex", "exact"), default=None)
     p.add_argument("--loss-chunk-size", type=int, default=None)
     p.add_argument(
-        "--reserve-gb", type=float, default=None, help="CUDA context and NCCL reserve in GiB (1.0 on cuda)"
+        "--reserve-gb",
+        type=float,
+        default=None,
+        help="memory torch does not count, GiB (1.0 on cuda, 1 + 1/16 per thread on cpu)",
     )
     p.add_argument("--lengths", default=None, help="lengths for the table, e.g. 8192,16384,32768")
     p.add_argument(
@@ -967,7 +983,12 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
             device = cfg.device if cfg.device in ("cpu", "cuda") else local_device()
     else:
         cfg = SimpleNamespace(
-            dtype="auto", attention="auto", activation_checkpointing=False, fsdp=False, loss_chunk_size=4096
+            dtype="auto",
+            attention="auto",
+            activation_checkpointing=False,
+            fsdp=False,
+            loss_chunk_size=4096,
+            num_threads=0,
         )
         if args.shape:
             shape = SHAPES[args.shape]
@@ -1009,7 +1030,7 @@ def format_table(plan: Plan) -> str:
             for k, v in plan.options.describe().items()
             if k in ("activation_checkpointing", "fsdp", "autocast", "attention")
         ),
-        f"static {plan.static_gb:.1f} GiB (reserve included); budget {budget:.1f} GiB "
+        f"static {plan.static_gb:.2f} GiB (reserve included); budget {budget:.2f} GiB "
         f"({plan.memory_gb:g} GiB less {plan.margin:.0%})",
         f"{'max_seq_len':>12}  {'predicted GiB':>13}  fits",
     ]
@@ -1018,7 +1039,7 @@ def format_table(plan: Plan) -> str:
             f"{row['max_seq_len']:>12}  {row['predicted_gb']:>13.1f}  {'yes' if row['fits'] else 'no'}"
         )
     lines.append(
-        f"largest fitting: max_seq_len={plan.max_seq_len} ({plan.predicted_gb:.1f} GiB predicted, {plan.source})"
+        f"largest fitting: max_seq_len={plan.max_seq_len} ({plan.predicted_gb:.2f} GiB predicted, {plan.source})"
     )
     return "\n".join(lines)
 

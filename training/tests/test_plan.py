@@ -292,3 +292,33 @@ def test_gpu_check_dry_run_exercises_the_same_python_path_on_cpu(tmp_path):
     probe = sections["probe"]
     assert probe["second_call_from_cache"] and probe["probe_choice"] % 128 == 0
     assert all(abs(e) <= TOLERANCE for e in probe["probe"]["analytic_error"])
+
+
+@pytest.mark.slow
+def test_auto_on_cpu_chooses_a_length_that_trains_under_the_memory_limit(tmp_path, capsys):
+    """The local CT flow: max_seq_len=auto, memory_limit_gb decides; the trainer then runs under RLIMIT_AS."""
+    from eagle3.synth import SynthConfig, synthesize
+
+    data = tmp_path / "data"
+    synthesize(
+        data, SynthConfig(num_samples=200, hidden_size=64, min_len=64, max_len=512), log=lambda *a, **k: None
+    )
+    config = tmp_path / "train.yaml"
+    common = (
+        f"data_dir: {data}\nrun_dir: {tmp_path / 'run'}\ndevice: cpu\nmemory_limit_gb: 1.5\nmax_steps: 2\n"
+        "val_fraction: 0.0\nval_every: 0\nwarmup_steps: 1\nlog_every: 1\n"
+    )
+    config.write_text(common + "max_seq_len: auto\n")
+    assert P.main(["--config", str(config), "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["max_seq_len"]
+    assert chosen >= 1024
+    config.write_text(common + f"max_seq_len: {chosen}\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "eagle3", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[1],
+        check=False,
+    )
+    assert run.returncode == 0, f"max_seq_len={chosen}: {run.stdout[-2000:]}{run.stderr[-2000:]}"
