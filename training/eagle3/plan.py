@@ -8,11 +8,15 @@ every term below names the tensors it stands for. It is checked on CPU against e
 forward+backward allocates; tests/test_plan.py, within 15 %), and on a GPU by the probe and bench/gpu_check.sh.
 
 peak = static (weights, gradients, AdamW, DDP buckets; FSDP shards them)
-     + batch (the packed row on the device)
-     + held (what the forward keeps for backward: per token and TTT step, plus once per row)
-     + transient (the largest backward phase: one loss chunk, or one decoder step's gradients,
-                  plus the recomputed step under activation checkpointing)
+     + allocator_factor * (
+         batch (the packed row on the device)
+       + held (what the forward keeps for backward: per token and TTT step, plus once per row)
+       + transient (the largest backward phase: one loss chunk, or one decoder step's gradients,
+                    plus the recomputed step under activation checkpointing))
      + reserve (CUDA context, NCCL buffers, allocator slack: not seen by torch's counters)
+
+allocator_factor is 1 on CUDA; on CPU (memory_limit_gb is an address-space limit there) glibc keeps freed blocks
+mapped: 1.5, measured on the trainer. The attention terms assume one document filling the row (the worst case).
 
 Sizes are GiB (2**30 bytes) everywhere, as torch and nvidia-smi report them; lengths are multiples of 128.
 """
