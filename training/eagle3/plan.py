@@ -1048,6 +1048,21 @@ def format_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def choose(plan: Plan, probe_result: dict) -> tuple[str, int, float]:
+    """(source, max_seq_len, predicted GiB) from the analytic plan and the probe: the smaller length wins, so a
+    probe can only lower the analytic choice (the analytic terms are the ones checked for every option).
+
+    >>> plan = Plan(SHAPES["tiny"], Options(), 5, 1, 8.0, 0.1, 4096, 5.0, 1.0, [])
+    >>> choose(plan, {"max_seq_len": 2048, "predicted_gb": 7.0})
+    ('probe', 2048, 7.0)
+    >>> choose(plan, {"max_seq_len": 8192, "predicted_gb": 7.0})
+    ('analytic (the probe allows 8192)', 4096, 5.0)
+    """
+    if probe_result["max_seq_len"] <= plan.max_seq_len:
+        return "probe", probe_result["max_seq_len"], probe_result["predicted_gb"]
+    return f"analytic (the probe allows {probe_result['max_seq_len']})", plan.max_seq_len, plan.predicted_gb
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else sys.argv[1:])
     try:
@@ -1067,20 +1082,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ProbeUnavailable as e:
                 print(f"probe skipped: {e}", file=sys.stderr)
             else:
-                plan.probe = result
                 if result["max_seq_len"] is None:
                     raise ConfigError(
                         f"the probe on {result['gpu']} finds no length that fits {memory} GiB "
                         f"(measured {result['measured']}); turn on activation_checkpointing or fsdp"
                     )
-                # measured beats predicted; never choose more than the analytic plan allows either
-                plan.max_seq_len = min(result["max_seq_len"], plan.max_seq_len)
-                plan.predicted_gb = (
-                    result["predicted_gb"] if plan.max_seq_len == result["max_seq_len"] else plan.predicted_gb
-                )
-                plan.source = (
-                    "probe" if plan.max_seq_len == result["max_seq_len"] else "analytic (probe agrees)"
-                )
+                plan.probe = result
+                plan.source, plan.max_seq_len, plan.predicted_gb = choose(plan, result)
     except ConfigError as e:
         print(f"eagle3 plan: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -322,3 +322,14 @@ def test_auto_on_cpu_chooses_a_length_that_trains_under_the_memory_limit(tmp_pat
         check=False,
     )
     assert run.returncode == 0, f"max_seq_len={chosen}: {run.stdout[-2000:]}{run.stderr[-2000:]}"
+
+
+def test_cli_probe_without_cuda_falls_back_to_the_analytic_plan(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = ["--shape", "kimi-k2.5", "--world-size", "8", "--memory-gb", "96", "--activation-checkpointing"]
+    assert P.main([*args, "--probe", "--cache-dir", str(tmp_path), "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "probe skipped: no CUDA device" in captured.err
+    assert out["source"] == "analytic" and out["probe"] is None and out["max_seq_len"] >= 32768
