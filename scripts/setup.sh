@@ -41,7 +41,8 @@ find_python() {
         [ -n "$c" ] || continue
         command -v "$c" >/dev/null 2>&1 || [ -x "$c" ] || continue
         if "$c" -c "import sys; sys.exit(not ((3, $min) <= sys.version_info[:2] <= (3, $max)))" 2>/dev/null; then
-            "$c" -c 'import sys; print(sys.executable)'
+            # A venv's python (an activated venv on PATH) is resolved to the interpreter it was made from.
+            "$c" -c 'import os, sys; v = sys.version_info; print(sys.executable if sys.prefix == sys.base_prefix else os.path.join(sys.base_prefix, "bin", f"python{v[0]}.{v[1]}"))'
             return 0
         fi
     done
