@@ -274,20 +274,6 @@ def section_flex(device: torch.device, dry_run: bool) -> dict:
 # ----------------------------------------------------------------------------------------------- sweep
 
 
-def drafter_config(shape: P.Shape):
-    from eagle3.model import DrafterConfig
-
-    return DrafterConfig(
-        shape.hidden_size,
-        shape.num_heads,
-        shape.head_dim,
-        shape.intermediate_size,
-        shape.draft_vocab_size,
-        shape.target_vocab_size,
-        (2, 30, 58),
-    )
-
-
 def run_steps(
     shape: P.Shape, opts: P.Options, ttt_steps: int, seq_len: int, device: torch.device, steps: int = 2
 ):
@@ -296,7 +282,7 @@ def run_steps(
     from eagle3.model import ttt_forward
 
     P.allow_recompiles()
-    model, optimizer, batch = P.build_probe_step(drafter_config(shape), opts, seq_len, device)
+    model, optimizer, batch = P.build_probe_step(shape.drafter_config((2, 30, 58)), opts, seq_len, device)
     cuda = device.type == "cuda"
     try:
         for n in range(steps):

@@ -32,8 +32,7 @@ sys.path.insert(0, str(ROOT / "training"))
 
 import torch  # noqa: E402
 from eagle3 import plan as P  # noqa: E402
-from eagle3.memtrack import measure_drafter_step  # noqa: E402
-from eagle3.model import DrafterConfig  # noqa: E402
+from eagle3.memtrack import measure_planned_step  # noqa: E402
 
 KIB = 1024
 
@@ -49,26 +48,7 @@ def option_sets() -> dict[str, P.Options]:
 
 
 def measure(shape: P.Shape, opts: P.Options, seq_len: int, ttt_steps: int):
-    cfg = DrafterConfig(
-        shape.hidden_size,
-        shape.num_heads,
-        shape.head_dim,
-        shape.intermediate_size,
-        shape.draft_vocab_size,
-        shape.target_vocab_size,
-        (2, 3, 4),
-    )
-    torch.manual_seed(0)
-    model, _, batch = P.build_probe_step(cfg, opts, seq_len, torch.device("cpu"))
-    return measure_drafter_step(
-        model,
-        batch,
-        ttt_steps=ttt_steps,
-        activation_checkpointing=opts.activation_checkpointing,
-        loss_chunk_size=opts.loss_chunk_size,
-        attention=opts.attention,
-        autocast=opts.autocast,
-    )
+    return measure_planned_step(shape, seq_len, ttt_steps, opts)
 
 
 def part_a(seq_len: int, ttt_steps: int) -> None:

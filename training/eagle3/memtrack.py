@@ -259,3 +259,21 @@ def measure_drafter_step(
         if p.grad is not None:
             p.grad.zero_()
     return measure_train_step(forward)
+
+
+def measure_planned_step(shape, seq_len: int, ttt_steps: int, opts) -> StepMemory:
+    """Measure one forward+backward of the planner's probe step for a plan.Shape and plan.Options on the CPU:
+    what the planner's activation model is validated against (tests) and what bench/memory.py prints."""
+    from eagle3 import plan
+
+    torch.manual_seed(0)
+    model, _, batch = plan.build_probe_step(shape.drafter_config(), opts, seq_len, torch.device("cpu"))
+    return measure_drafter_step(
+        model,
+        batch,
+        ttt_steps=ttt_steps,
+        activation_checkpointing=opts.activation_checkpointing,
+        loss_chunk_size=opts.loss_chunk_size,
+        attention=opts.attention,
+        autocast=opts.autocast,
+    )

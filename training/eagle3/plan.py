@@ -59,6 +59,22 @@ class Shape:
     norm_before_fc: bool = False
     train_lm_head: bool = False
 
+    def drafter_config(self, aux_layer_ids: tuple[int, ...] = (2, 3, 4)):
+        """The model config of this shape (the aux layer ids only label an export)."""
+        from eagle3.model import DrafterConfig
+
+        return DrafterConfig(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            draft_vocab_size=self.draft_vocab_size,
+            target_vocab_size=self.target_vocab_size,
+            aux_layer_ids=aux_layer_ids,
+            norm_before_fc=self.norm_before_fc,
+            train_lm_head=self.train_lm_head,
+        )
+
     @property
     def attention_dim(self) -> int:
         return self.num_heads * self.head_dim
@@ -736,20 +752,10 @@ def cuda_measure(
     """
     import torch
 
-    from eagle3.model import DrafterConfig, ttt_forward
+    from eagle3.model import ttt_forward
 
     device = torch.device("cuda")
-    cfg = DrafterConfig(
-        hidden_size=shape.hidden_size,
-        num_heads=shape.num_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
-        draft_vocab_size=shape.draft_vocab_size,
-        target_vocab_size=shape.target_vocab_size,
-        aux_layer_ids=(2, 3, 4),
-        norm_before_fc=shape.norm_before_fc,
-        train_lm_head=shape.train_lm_head,
-    )
+    cfg = shape.drafter_config()
     allow_recompiles()
     model, optimizer, batch = build_probe_step(cfg, opts, seq_len, device)
     try:

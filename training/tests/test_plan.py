@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from eagle3 import plan as P
-from eagle3.memtrack import measure_drafter_step
-from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.memtrack import measure_planned_step
+from eagle3.model import Eagle3Drafter
 
 TOLERANCE = 0.15
 
@@ -35,30 +35,8 @@ CPU_FP32 = P.Options(
 CPU_BF16 = dataclasses.replace(CPU_FP32, autocast=True, frozen_bf16=True)
 
 
-def drafter_config(shape: P.Shape) -> DrafterConfig:
-    return DrafterConfig(
-        shape.hidden_size,
-        shape.num_heads,
-        shape.head_dim,
-        shape.intermediate_size,
-        shape.draft_vocab_size,
-        shape.target_vocab_size,
-        (1, 2, 3),
-    )
-
-
 def measure(shape: P.Shape, seq_len: int, ttt_steps: int, opts: P.Options):
-    torch.manual_seed(0)
-    model, _, batch = P.build_probe_step(drafter_config(shape), opts, seq_len, torch.device("cpu"))
-    return measure_drafter_step(
-        model,
-        batch,
-        ttt_steps=ttt_steps,
-        activation_checkpointing=opts.activation_checkpointing,
-        loss_chunk_size=opts.loss_chunk_size,
-        attention=opts.attention,
-        autocast=opts.autocast,
-    )
+    return measure_planned_step(shape, seq_len, ttt_steps, opts)
 
 
 SMALL = ("h64", "h128", "h96")
@@ -85,7 +63,7 @@ def test_prediction_is_within_15_percent_of_measured_bytes(name, seq_len, dtype,
 def test_parameter_counts_match_the_real_model():
     for shape in [*SHAPES.values(), P.SHAPES["kimi-k2.5"]]:
         with torch.device("meta"):
-            model = Eagle3Drafter(drafter_config(shape))
+            model = Eagle3Drafter(shape.drafter_config())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         assert shape.trainable_params() == trainable
