@@ -278,12 +278,29 @@ def ttt_block_mask(document_ids: torch.Tensor, step: int, compile_mask: bool) ->
 _COMPILED_FLEX = None
 
 
+def allow_recompiles(limit: int = 64) -> None:
+    """The compiled flex_attention makes one graph per (length, TTT step): ttt_steps graphs per length, twice
+    that in a two-length probe. Past torch's recompile limit (8) flex falls back to the unfused path, which
+    materialises the whole score matrix (FACTS.md §6): raise the limit for this process."""
+    import torch._dynamo
+
+    for name in (
+        "recompile_limit",
+        "cache_size_limit",
+        "accumulated_recompile_limit",
+        "accumulated_cache_size_limit",
+    ):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+
+
 def _flex_fn(compiled: bool):
     """The compiled flex_attention is made once per process (static shapes: one graph per TTT step)."""
     global _COMPILED_FLEX
     if not compiled:
         return flex_attention
     if _COMPILED_FLEX is None:
+        allow_recompiles()
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
 

@@ -756,7 +756,6 @@ def cuda_measure(
 
     device = torch.device("cuda")
     cfg = shape.drafter_config()
-    allow_recompiles()
     model, optimizer, batch = build_probe_step(cfg, opts, seq_len, device)
     try:
         for n in range(steps):
@@ -782,22 +781,6 @@ def cuda_measure(
     finally:
         del model, optimizer, batch
         torch.cuda.empty_cache()
-
-
-def allow_recompiles(limit: int = 64) -> None:
-    """The compiled flex_attention makes one graph per (length, TTT step); a probe over two lengths makes twice
-    ttt_steps of them. Past torch's recompile limit (8) flex falls back to the unfused path, which materialises
-    the whole score matrix (FACTS.md §6): raise the limit for this process."""
-    import torch._dynamo
-
-    for name in (
-        "recompile_limit",
-        "cache_size_limit",
-        "accumulated_recompile_limit",
-        "accumulated_cache_size_limit",
-    ):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
 
 
 def build_probe_step(cfg, opts: Options, seq_len: int, device):
