@@ -1,4 +1,5 @@
-"""ansible-doc renders every Proxmox module's documentation, and pve_lxc's documents its real options."""
+"""ansible-doc renders every module's documentation (library/ and the roles' own), and pve_lxc's documents
+its real options."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from pve_fixtures import ROOT, load_file_module
 MODULES = {
     "pve_lxc": ROOT / "library",
     "pve_lxc_raw": ROOT / "library",
+    "gpu_cleanup": ROOT / "library",
+    "gpu_facts": ROOT / "library",
+    "train_health": ROOT / "library",
+    "target_lock": ROOT / "library",
+    "local_lxc": ROOT / "library",
     "pve_gpu_host_facts": ROOT / "roles/pve_gpu_host/library",
     "nvidia_userspace_facts": ROOT / "roles/gpu_userspace/library",
 }
