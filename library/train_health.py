@@ -16,6 +16,8 @@ description:
     (with what it saw last).
   - A C(status.json) older than the unit's current start is ignored, so a previous run's success or failure
     is never reported as this run's.
+  - A run that was already going when the wait began must be seen to complete a step during the wait:
+    steps done long ago do not prove that a stuck run is healthy.
 version_added: "0.1.0"
 author: eagle3-pve contributors
 options:
@@ -115,17 +117,26 @@ def main():
     deadline = start + p["timeout"]
     path = status_path(p["run_dir"])
     kind, message, status, unit = "waiting", "", None, {}
+    wall_start, first_step = time.time(), None
     while True:
         unit = unit_state(p["unit"])
         status = read_status(path)
         # 1 s of slack: the trainer may write its first status within the second systemd stamps the start.
+        started_at = unit_started_at(unit)
         kind, message = verdict(
             status,
             unit,
             min_steps=p["min_steps"],
-            started_at=unit_started_at(unit) - 1.0,
+            started_at=started_at - 1.0,
             max_seq_len=p["max_seq_len"],
         )
+        # A run that was already going before this wait (train.yml found nothing to change) is healthy only once
+        # it is seen to advance now: steps completed an hour ago say nothing about a run stuck since.
+        step = (status or {}).get("step")
+        if first_step is None and step is not None:
+            first_step = step
+        if kind == "healthy" and started_at < wall_start - 5 and step == first_step:
+            kind, message = "waiting", f"running since before this check; waiting to see it pass step {step}"
         if kind != "waiting" or time.monotonic() >= deadline:
             break
         time.sleep(p["poll_interval"])

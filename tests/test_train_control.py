@@ -282,3 +282,30 @@ def test_trainer_package_is_reproducible(tmp_path):
     with tarfile.open(tmp_path / "a.tar") as tar:
         names = tar.getnames()
     assert "eagle3/__main__.py" in names and not any("__pycache__" in n for n in names)
+
+
+def test_a_run_started_before_the_check_must_advance_to_count_as_healthy(fake_systemd, tmp_path, capsys):
+    # The unit started 1 s after boot, long before this check; its status shows many steps already done.
+    show = (
+        (fake_systemd / "show")
+        .read_text()
+        .replace("ExecMainStartTimestampMonotonic=0", "ExecMainStartTimestampMonotonic=1000000")
+    )
+    (fake_systemd / "show").write_text(show)
+    (tmp_path / "status.json").write_text(json.dumps(status(step=500, updated=time.time())))
+    res, rc = run_module(
+        "train_health", {"run_dir": str(tmp_path), "timeout": 2, "poll_interval": 0.2}, capsys
+    )
+    assert rc == 1 and res["verdict"] == "timeout" and "waiting to see it pass step 500" in res["msg"]
+
+    # The same run, seen to complete a step during the wait: healthy.
+    def advance():
+        time.sleep(0.6)
+        (tmp_path / "status.json").write_text(json.dumps(status(step=501, updated=time.time())))
+
+    threading.Thread(target=advance).start()
+    (tmp_path / "status.json").write_text(json.dumps(status(step=500, updated=time.time())))
+    res, rc = run_module(
+        "train_health", {"run_dir": str(tmp_path), "timeout": 10, "poll_interval": 0.2}, capsys
+    )
+    assert rc == 0 and res["verdict"] == "healthy" and res["status"]["step"] == 501
