@@ -16,8 +16,8 @@ description:
     (with what it saw last).
   - A C(status.json) older than the unit's current start is ignored, so a previous run's success or failure
     is never reported as this run's.
-  - A run that was already going when the wait began must be seen to complete a step during the wait:
-    steps done long ago do not prove that a stuck run is healthy.
+  - A run that was already going when the wait began must be seen to complete a step during the wait,
+    because steps done long ago do not prove that a stuck run is healthy.
 version_added: "0.1.0"
 author: eagle3-pve contributors
 options:
