@@ -18,6 +18,7 @@ from pathlib import Path
 
 
 def running(pid: int, start: int) -> bool:
+    """Is the process with this identity (pid, start time in clock ticks) still there and not a zombie?"""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()

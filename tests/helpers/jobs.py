@@ -18,18 +18,12 @@ from pathlib import Path
 
 import pytest
 
+# The test's own, independent identity check (not the code under test): one copy, shared with molecule's helper.
+from .fixture_state import running as identity_alive
+
 HOLDER = Path(__file__).resolve().parent / "holder.py"
 MARKER = "EAGLE3_JOB=eagle3-test"
 PR_SET_CHILD_SUBREAPER = 36
-
-
-def identity_alive(pid: int, start: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return False
-    return int(fields[19]) == start and fields[0] not in ("Z", "X")
 
 
 @dataclass
