@@ -293,14 +293,7 @@ def run_steps(
             tracker = LiveBytesTracker() if (last and not cuda) else contextlib.nullcontext()
             started = time.monotonic()
             with tracker, torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.autocast):
-                loss, _ = ttt_forward(
-                    model,
-                    batch,
-                    ttt_steps=ttt_steps,
-                    activation_checkpointing=opts.activation_checkpointing,
-                    loss_chunk_size=opts.loss_chunk_size,
-                    attention=opts.attention,
-                )
+                loss, _ = ttt_forward(model, batch, ttt_steps=ttt_steps, **opts.forward_kwargs())
             with tracker:
                 loss.backward()
                 optimizer.step()

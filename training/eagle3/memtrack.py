@@ -269,11 +269,5 @@ def measure_planned_step(shape, seq_len: int, ttt_steps: int, opts) -> StepMemor
     torch.manual_seed(0)
     model, _, batch = plan.build_probe_step(shape.drafter_config(), opts, seq_len, torch.device("cpu"))
     return measure_drafter_step(
-        model,
-        batch,
-        ttt_steps=ttt_steps,
-        activation_checkpointing=opts.activation_checkpointing,
-        loss_chunk_size=opts.loss_chunk_size,
-        attention=opts.attention,
-        autocast=opts.autocast,
+        model, batch, ttt_steps=ttt_steps, autocast=opts.autocast, **opts.forward_kwargs()
     )

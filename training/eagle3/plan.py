@@ -158,6 +158,14 @@ class Options:
     def describe(self) -> dict:
         return dataclasses.asdict(self)
 
+    def forward_kwargs(self) -> dict:
+        """The ttt_forward keywords these options fix (the probe, the CPU tracker and the GPU check pass them)."""
+        return {
+            "activation_checkpointing": self.activation_checkpointing,
+            "loss_chunk_size": self.loss_chunk_size,
+            "attention": self.attention,
+        }
+
 
 def check_options(opts: Options, world_size: int) -> None:
     """Raise ConfigError for combinations the trainer cannot run, naming both options.
@@ -764,14 +772,7 @@ def cuda_measure(
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=opts.autocast):
-                loss, _ = ttt_forward(
-                    model,
-                    batch,
-                    ttt_steps=ttt_steps,
-                    activation_checkpointing=opts.activation_checkpointing,
-                    loss_chunk_size=opts.loss_chunk_size,
-                    attention=opts.attention,
-                )
+                loss, _ = ttt_forward(model, batch, ttt_steps=ttt_steps, **opts.forward_kwargs())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
