@@ -1,0 +1,62 @@
+# Copyright: eagle3-pve contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Ansible's default output, with a progress line for every poll of a task that waits."""
+
+from __future__ import annotations
+
+DOCUMENTATION = """
+    name: eagle3
+    type: stdout
+    short_description: default output, plus one progress line per poll of a waiting task
+    version_added: "0.2.0"
+    description:
+      - Ansible's default stdout callback, unchanged except for tasks that retry (C(until)/C(retries)).
+      - A task that waits by polling (the training health check, the root file system build) prints one line per
+        poll instead of C(FAILED - RETRYING), because waiting is not failing. The line holds the task's own
+        C(progress) text when the module returns one (step, tokens/s, phase), otherwise the seconds waited.
+    extends_documentation_fragment:
+      - default_callback
+      - result_format_callback
+    requirements:
+      - set as stdout_callback in ansible.cfg (the project's ansible.cfg does)
+"""
+
+import time
+
+from ansible import constants as C
+from ansible.plugins.callback.default import CallbackModule as DefaultCallback
+
+
+def progress_line(host: str, task: str, result: dict, waited: float) -> str:
+    """One line for one poll.
+
+    >>> progress_line("ct129", "Wait until healthy", {"progress": "step 4, 812 tok/s, phase training"}, 12.4)
+    '[ct129] waiting (12 s): step 4, 812 tok/s, phase training'
+    >>> progress_line("localhost", "Wait for mmdebstrap", {"retries": 10, "attempts": 2}, 10.0)
+    '[localhost] waiting (10 s): Wait for mmdebstrap'
+    """
+    what = result.get("progress") or task
+    return f"[{host}] waiting ({waited:.0f} s): {what}"
+
+
+class CallbackModule(DefaultCallback):
+    CALLBACK_VERSION = 2.0
+    CALLBACK_TYPE = "stdout"
+    CALLBACK_NAME = "eagle3"
+
+    def __init__(self):
+        super().__init__()
+        self._started: dict[tuple[str, str], float] = {}
+
+    def v2_runner_on_start(self, host, task) -> None:
+        self._started[(host.get_name(), str(task._uuid))] = time.monotonic()
+        super().v2_runner_on_start(host, task)
+
+    def v2_runner_retry(self, result) -> None:
+        started = self._started.get((result.host.get_name(), str(result.task._uuid)), time.monotonic())
+        line = progress_line(
+            self.host_label(result), result.task.name or result.task_name, result.result, time.monotonic() - started
+        )
+        if self._run_is_verbose(result, verbosity=2):
+            line += " Result was: %s" % self._dump_results(result.result)
+        self._display.display(line, color=C.COLOR_DEBUG)
