@@ -55,8 +55,11 @@ class CallbackModule(DefaultCallback):
     def v2_runner_retry(self, result) -> None:
         started = self._started.get((result.host.get_name(), str(result.task._uuid)), time.monotonic())
         line = progress_line(
-            self.host_label(result), result.task.name or result.task_name, result.result, time.monotonic() - started
+            self.host_label(result),
+            result.task.name or result.task_name,
+            result.result,
+            time.monotonic() - started,
         )
         if self._run_is_verbose(result, verbosity=2):
-            line += " Result was: %s" % self._dump_results(result.result)
+            line += f" Result was: {self._dump_results(result.result)}"
         self._display.display(line, color=C.COLOR_DEBUG)
