@@ -41,6 +41,23 @@ options:
     description: Seconds between polls.
     type: float
     default: 1.0
+  poll_for:
+    description:
+      - Return after polling this many seconds with C(verdict=waiting) and a C(progress) line, so that the task can
+        be retried with C(until) and the person watching sees one line per poll. The wait as a whole still ends
+        after C(timeout) seconds counted from C(wait_started).
+      - Unset, the module waits in one call until a verdict or the timeout.
+    type: float
+  wait_started:
+    description:
+      - When the wait as a whole began (seconds since the epoch, the target's clock), from the first call's
+        C(wait_started). Default, now.
+    type: float
+  baseline_step:
+    description:
+      - The step the trainer had reported when the wait began (the first call's C(baseline_step)). A run that was
+        going before the wait is healthy only once it passes this step.
+    type: int
   log_lines:
     description: Journal lines returned (and shown) on a crash or timeout.
     type: int
@@ -56,11 +73,31 @@ EXAMPLES = r"""
     run_dir: /var/lib/eagle3/run
     min_steps: 3
     timeout: 900
+
+# One progress line per 5 s poll: a first call fixes the start, then the task is retried until a verdict.
+- name: First look
+  train_health:
+    run_dir: /var/lib/eagle3/run
+    poll_for: 0
+    timeout: 900
+  register: first
+- name: Wait, one line per poll
+  train_health:
+    run_dir: /var/lib/eagle3/run
+    timeout: 900
+    poll_for: 5
+    wait_started: "{{ first.wait_started }}"
+    baseline_step: "{{ first.baseline_step }}"
+  register: health
+  until: health.verdict != 'waiting'
+  retries: 200
+  delay: 0
+  when: first.verdict == 'waiting'
 """
 
 RETURN = r"""
 verdict:
-  description: healthy, done, oom, config, crash, stopped or timeout.
+  description: healthy, done, oom, config, crash, stopped or timeout; C(waiting) when C(poll_for) ran out first.
   type: str
   returned: always
 status:
@@ -77,15 +114,35 @@ log:
   elements: str
   returned: on failure
 elapsed:
-  description: Seconds waited.
+  description: Seconds waited since C(wait_started).
   type: float
+  returned: always
+progress:
+  description: One line for the person watching, e.g. C(step 12 (3/3 steps this run), 5,207 tok/s, phase training).
+  type: str
+  returned: always
+wait_started:
+  description: When the wait began (the target's clock); pass it to the next call.
+  type: float
+  returned: always
+baseline_step:
+  description: The step reported when the wait began; pass it to the next call.
+  type: int
   returned: always
 """
 
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.train_status import last_log_lines, read_status, status_path, unit_state, verdict
+from ansible.module_utils.train_status import (
+    completed_steps,
+    is_fresh,
+    last_log_lines,
+    read_status,
+    status_path,
+    unit_state,
+    verdict,
+)
 
 
 def unit_started_at(unit: dict) -> float:
@@ -96,6 +153,31 @@ def unit_started_at(unit: dict) -> float:
     return time.time() - (time.monotonic() - mono_us / 1e6)
 
 
+def progress_line(message: str, status: dict | None, min_steps: int, fresh: bool = True) -> str:
+    """What the person watching wants to see at each poll.
+
+    >>> progress_line("phase training, step 4", {"phase": "training", "step": 4, "resumed_from_step": 2,
+    ...               "tokens_per_s": 5207.3}, 3)
+    'step 4 (2/3 steps this run), 5,207 tok/s, phase training'
+    >>> progress_line("no status from this run yet", None, 3)
+    'no status from this run yet'
+    >>> progress_line("no status from this run yet", {"step": 15, "phase": "stopped"}, 3, fresh=False)
+    'no status from this run yet (the previous run reported step 15, phase stopped)'
+    """
+    if not status or status.get("step") is None:
+        return message
+    if not fresh:
+        return (
+            f"{message} (the previous run reported step {status['step']}, phase {status.get('phase', '?')})"
+        )
+    done = completed_steps(status)
+    parts = [f"step {status['step']} ({max(done, 0)}/{min_steps} steps this run)"]
+    if status.get("tokens_per_s"):
+        parts.append(f"{float(status['tokens_per_s']):,.0f} tok/s")
+    parts.append(f"phase {status.get('phase', '?')}")
+    return ", ".join(parts)
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -104,6 +186,9 @@ def main():
             min_steps=dict(type="int", default=3),
             timeout=dict(type="int", default=600),
             poll_interval=dict(type="float", default=1.0),
+            poll_for=dict(type="float"),
+            wait_started=dict(type="float"),
+            baseline_step=dict(type="int"),
             log_lines=dict(type="int", default=30),
             max_seq_len=dict(type="int"),
         ),
@@ -113,11 +198,14 @@ def main():
     for key in ("min_steps", "timeout", "poll_interval"):
         if p[key] <= 0:
             module.fail_json(msg=f"{key} must be positive, got {p[key]}")
-    start = time.monotonic()
-    deadline = start + p["timeout"]
+    if p["poll_for"] is not None and p["poll_for"] < 0:
+        module.fail_json(msg=f"poll_for must be 0 or more, got {p['poll_for']}")
+    wall_start = p["wait_started"] if p["wait_started"] is not None else time.time()
+    deadline = wall_start + p["timeout"]
+    call_deadline = time.time() + p["poll_for"] if p["poll_for"] is not None else deadline
     path = status_path(p["run_dir"])
     kind, message, status, unit = "waiting", "", None, {}
-    wall_start, first_step = time.time(), None
+    first_step = p["baseline_step"]
     while True:
         unit = unit_state(p["unit"])
         status = read_status(path)
@@ -137,23 +225,33 @@ def main():
             first_step = step
         if kind == "healthy" and started_at < wall_start - 5 and step == first_step:
             kind, message = "waiting", f"running since before this check; waiting to see it pass step {step}"
-        if kind != "waiting" or time.monotonic() >= deadline:
+        now = time.time()
+        if kind != "waiting" or now >= deadline or now >= call_deadline:
             break
-        time.sleep(p["poll_interval"])
+        time.sleep(min(p["poll_interval"], max(call_deadline - now, 0.05)))
 
     result = {
         "changed": False,
-        "verdict": kind if kind != "waiting" else "timeout",
+        "verdict": kind,
         "status": status or {},
         "unit": {
             k: unit.get(k) for k in ("ActiveState", "SubState", "Result", "ExecMainStatus", "NRestarts")
         },
-        "elapsed": round(time.monotonic() - start, 1),
+        "elapsed": round(time.time() - wall_start, 1),
+        "progress": message,
+        "wait_started": wall_start,
+        "baseline_step": first_step,
     }
+    if kind == "waiting" and time.time() < deadline:
+        result["progress"] = progress_line(
+            message, status, p["min_steps"], is_fresh(status or {}, started_at - 1.0)
+        )
+        module.exit_json(msg=message, **result)
     if kind in ("healthy", "done"):
         module.exit_json(msg=message, **result)
     result["log"] = last_log_lines(p["unit"], p["log_lines"], unit.get("InvocationID", ""))
     if kind == "waiting":
+        result["verdict"] = "timeout"
         message = f"not healthy after {p['timeout']}s: {message}"
     elif kind == "oom":
         message += (

@@ -3,6 +3,7 @@ status (eagle3.launch), and the reproducible trainer package."""
 
 from __future__ import annotations
 
+import doctest
 import importlib.util
 import json
 import os
@@ -188,6 +189,39 @@ def test_train_health_times_out_saying_what_it_saw(fake_systemd, tmp_path, capsy
     )
     assert rc == 1 and res["verdict"] == "timeout"
     assert "not healthy after 1s" in res["msg"] and "step 1" in res["msg"]
+
+
+def test_train_health_polls_return_progress_until_the_run_is_healthy(fake_systemd, tmp_path, capsys):
+    """poll_for: each call returns `waiting` with a progress line; the wait's start and baseline carry over."""
+    (tmp_path / "status.json").write_text(
+        json.dumps(status(step=1, updated=time.time() + 1, tokens_per_s=5207.3))
+    )
+    args = {"run_dir": str(tmp_path), "min_steps": 3, "timeout": 60, "poll_interval": 0.05}
+    first, rc = run_module("train_health", {**args, "poll_for": 0}, capsys)
+    assert rc == 0 and first["verdict"] == "waiting" and first["baseline_step"] == 1
+    assert first["progress"] == "step 1 (1/3 steps this run), 5,207 tok/s, phase training"
+    nxt = {**args, "poll_for": 0.2, "wait_started": first["wait_started"], "baseline_step": 1}
+    res, rc = run_module("train_health", nxt, capsys)
+    assert rc == 0 and res["verdict"] == "waiting" and res["wait_started"] == first["wait_started"]
+    (tmp_path / "status.json").write_text(json.dumps(status(step=4, updated=time.time() + 1)))
+    res, rc = run_module("train_health", nxt, capsys)
+    assert rc == 0 and res["verdict"] == "healthy"
+
+
+def test_train_health_polls_end_at_the_timeout_of_the_whole_wait(fake_systemd, tmp_path, capsys):
+    (tmp_path / "status.json").write_text(json.dumps(status(step=1, updated=time.time() + 1)))
+    args = {"run_dir": str(tmp_path), "timeout": 30, "poll_for": 0.1, "wait_started": time.time() - 31}
+    res, rc = run_module("train_health", args, capsys)
+    assert rc == 1 and res["verdict"] == "timeout" and "not healthy after 30s" in res["msg"]
+
+
+@pytest.mark.parametrize(
+    "path", ["library/train_health.py", "plugins/callback/eagle3.py"], ids=["train_health", "callback"]
+)
+def test_progress_lines_read_as_documented(path):
+    """The worked examples in the progress-line docstrings hold."""
+    mod = load(ROOT / path, "doctest_" + Path(path).stem)
+    assert doctest.testmod(mod).failed == 0
 
 
 def test_train_health_rejects_nonpositive_timeout(tmp_path, capsys):
