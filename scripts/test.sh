@@ -10,27 +10,34 @@ export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_FORCE_COLOR=false PY_COLORS=0 NO_COL
 REPORTS=$(mktemp -d /tmp/eagle3-test.XXXXXX)
 trap 'rm -rf "$REPORTS"' EXIT
 
-passed=0 failed=0 skipped=0 failures=()
+passed=0 failed=0 skipped=0 failures=() timings=()
+SUITE_START=$SECONDS
+timing() {  # timing NAME T0 RESULT: one row of the closing table
+    timings+=("$(printf '%-22s %6ss  %s' "$1" $((SECONDS - $2)) "$3")")
+}
 stage() {  # stage NAME CMD...: a stage that counts as one test
     local name=$1; shift
     local t0=$SECONDS
     printf '\n=== %s: %s\n' "$name" "$*"
     if "$@"; then
-        passed=$((passed + 1)); printf '=== %s: ok (%ss)\n' "$name" $((SECONDS - t0))
+        passed=$((passed + 1)); printf '=== %s: ok (%ss)\n' "$name" $((SECONDS - t0)); timing "$name" "$t0" ok
     else
         failed=$((failed + 1)); failures+=("$name"); printf '=== %s: FAILED (%ss)\n' "$name" $((SECONDS - t0))
+        timing "$name" "$t0" FAILED
     fi
 }
 pytest_stage() {  # pytest_stage NAME PYTHON DIR ARGS...: adds pytest's own counts
     local name=$1 py=$2 dir=$3; shift 3
     local xml="$REPORTS/$name.xml" t0=$SECONDS rc p=0 f=0 s=0
     printf '\n=== %s: pytest %s\n' "$name" "$dir"
-    (cd "$dir" && "$py" -m pytest -q -p no:cacheprovider --junitxml="$xml" "$@")
+    # --durations: the slowest tests are named at the end of every run, so a slow test is seen before it is costly.
+    (cd "$dir" && "$py" -m pytest -q -p no:cacheprovider --durations=10 --junitxml="$xml" "$@")
     rc=$?
     if [ $rc -eq 5 ]; then
         # No test collected: a broken collection must never pass silently.
         failed=$((failed + 1)); failures+=("$name (no tests collected)")
         printf '=== %s: FAILED: pytest collected no tests in %s\n' "$name" "$dir"
+        timing "$name" "$t0" "FAILED (no tests collected)"
         return
     fi
     if [ -f "$xml" ]; then
@@ -51,6 +58,7 @@ PY
         [ -f "$xml" ] && [ "${f:-0}" -gt 0 ] || failed=$((failed + 1))
     fi
     printf '=== %s: rc=%s (%ss)\n' "$name" "$rc" $((SECONDS - t0))
+    timing "$name" "$t0" "$([ $rc -eq 0 ] && echo ok || echo "FAILED (rc=$rc)"): $p passed, $f failed, $s skipped"
 }
 
 want=("$@"); [ ${#want[@]} -gt 0 ] || want=(lint pytest molecule)
@@ -76,6 +84,10 @@ for w in "${want[@]}"; do
 done
 
 echo
+echo "stage wall times:"
+[ -z "${EAGLE3_SETUP_SECONDS:-}" ] || printf '  %-22s %6ss  %s\n' setup "$EAGLE3_SETUP_SECONDS" ok
+printf '  %s\n' "${timings[@]}"
+printf '  %-22s %6ss\n' total $((SECONDS - SUITE_START + ${EAGLE3_SETUP_SECONDS:-0}))
 [ ${#failures[@]} -eq 0 ] || printf 'failed stages: %s\n' "${failures[*]}"
 echo "summary: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
