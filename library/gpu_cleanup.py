@@ -123,7 +123,16 @@ zombies:
   type: list
   elements: dict
 holders_after:
-  description: Processes still holding a matching device at the end ({pid, name, paths, cmdline}); [] on success.
+  description:
+    - Unprotected processes still holding a matching device at the end ({pid, name, user, paths, cmdline}); []
+      on success.
+  returned: always
+  type: list
+  elements: dict
+protected_holders_after:
+  description:
+    - Protected processes (C(protect)) that still hold a matching device at the end, as in C(holders_after).
+      They were never signalled and do not fail the task, but the device is not free.
   returned: always
   type: list
   elements: dict
@@ -294,9 +303,17 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         error = None if check_mode else procs.remove_path(path)
         (sweep_errors if error else removed).append(error or path)
 
-    holders_after = (
-        [] if check_mode else procs.holders(selectors.devices, protect=selectors.protect, self_pid=self_pid)
+    # Protected holders (nvidia-persistenced, ...) are never signalled and do not fail the cleanup, but they still
+    # hold a device: they are reported apart, so "held afterwards" never reads 0 while one holds /dev/nvidia1.
+    after = (
+        []
+        if check_mode
+        else procs.holders(
+            selectors.devices, protect=selectors.protect, self_pid=self_pid, include_protected=True
+        )
     )
+    holders_after = [h for h in after if not h["protected"]]
+    protected_holders = [h for h in after if h["protected"]]
     if check_mode:
         gpu = {
             "source": before_query["source"],
@@ -318,6 +335,7 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         "changed": would if check_mode else bool(unit["stopped"] or signalled or removed),
         **outcome,
         "holders_after": holders_after,
+        "protected_holders_after": protected_holders,
         "removed": removed,
         "sweep_in_use": in_use,
         "sweep_errors": sweep_errors,
@@ -348,9 +366,22 @@ def summary(r: dict, check_mode: bool) -> str:
         f"unit {r['unit']['name'] or '-'}: {'stopped' if r['unit']['stopped'] else r['unit']['state']}; "
         f"{len(r['targets'])} target(s): {len(r['terminated'])} terminated, {len(r['killed'])} killed, "
         f"{len(r['unkillable'])} survived; {len(r['removed'])} file(s) swept; "
-        f"verification: devices {'busy' if r['holders_after'] else 'free'}, GPU memory {g['status']}{mem}; "
+        f"verification: devices {'busy' if r['holders_after'] else 'free'}"
+        f"{protected_note(r['protected_holders_after'])}, GPU memory {g['status']}{mem}; "
         f"{r['elapsed']:.2f} s"
     )
+
+
+def protected_note(held: list[dict]) -> str:
+    """' (still held by protected: pid 7 nvidia-persistenced /dev/nvidia1)', or '' when none.
+
+    >>> protected_note([{"pid": 7, "name": "nvidia-persistenced", "paths": ["/dev/nvidia1"]}])
+    ' (still held by protected: pid 7 nvidia-persistenced /dev/nvidia1)'
+    """
+    if not held:
+        return ""
+    listed = ", ".join(f"pid {h['pid']} {h['name']} {','.join(h['paths'])}" for h in held)
+    return f" (still held by protected: {listed})"
 
 
 def failure(r: dict) -> str | None:

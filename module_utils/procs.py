@@ -410,7 +410,9 @@ def select_targets(
         if pid in never:
             protected.append({"pid": pid, "name": p.name, "reasons": reasons[pid], "why": never[pid]})
         elif name_matches(p.name, cmdline[0] if cmdline else "", sel.protect):
-            protected.append({"pid": pid, "name": p.name, "reasons": reasons[pid], "why": "protected name"})
+            # Named as protection saw it: argv[0] when the process renamed itself (comm may say python3).
+            shown = p.name if name_matches(p.name, "", sel.protect) else os.path.basename(cmdline[0])
+            protected.append({"pid": pid, "name": shown, "reasons": reasons[pid], "why": "protected name"})
         else:
             targets.append(Target(p, cmdline, reasons[pid]))
     return targets, protected, zombies
@@ -749,17 +751,33 @@ def terminate(
     return result
 
 
+def owner_name(pid: int, proc: str = PROC) -> str:
+    """The user name owning a process (its uid when the name is unknown), '?' when it is gone."""
+    try:
+        uid = os.stat(f"{proc}/{pid}").st_uid
+    except OSError:
+        return "?"
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return str(uid)
+
+
 def holders(
     devices: list[str],
     exclude_unit: str | None = None,
     protect: list[str] | None = None,
     self_pid: int | None = None,
     proc: str = PROC,
+    include_protected: bool = False,
 ) -> list[dict]:
     """Processes holding a device matching ``devices``, outside ``exclude_unit`` and ``protect``.
 
     This process and its ancestors are left out (they are the caller); zombies hold nothing.
-    Returns [{pid, name, paths, cmdline}] sorted by pid.
+    Returns [{pid, name, user, paths, cmdline, protected}] sorted by pid; with ``include_protected``, holders
+    whose name matches ``protect`` are listed too, with protected=True (they still hold the device).
     """
     procs = scan(proc)
     self_pid = os.getpid() if self_pid is None else self_pid
@@ -774,9 +792,20 @@ def holders(
         if exclude_unit and in_unit_cgroup(read_cgroup(p.pid, proc), exclude_unit):
             continue
         cmdline = read_cmdline(p.pid, proc)
-        if name_matches(p.name, cmdline[0] if cmdline else "", protect or []):
+        is_protected = name_matches(p.name, cmdline[0] if cmdline else "", protect or [])
+        if is_protected and not include_protected:
             continue
-        found.append({"pid": p.pid, "name": p.name, "paths": paths, "cmdline": " ".join(cmdline)})
+        found.append(
+            {
+                "pid": p.pid,
+                # The name that protection matched on: argv[0] when the process renamed itself (exec -a).
+                "name": os.path.basename(cmdline[0]) if is_protected and cmdline else p.name,
+                "user": owner_name(p.pid, proc),
+                "paths": paths,
+                "cmdline": " ".join(cmdline),
+                "protected": is_protected,
+            }
+        )
     return found
 
 

@@ -250,6 +250,11 @@ def run_launch(tmp_path, child_body: str, signal_after: float | None = None):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if signal_after is not None:
+        # SIGTERM only once the child is up with its handler (it writes status.json after installing it): a
+        # fixed sleep loses that race on a loaded machine.
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "status.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
         time.sleep(signal_after)
         proc.terminate()
     try:
@@ -281,7 +286,7 @@ write(phase="training", step=1)
 time.sleep(30)
 """
     )
-    rc, err = run_launch(tmp_path, body, signal_after=1.5)
+    rc, err = run_launch(tmp_path, body, signal_after=0.2)
     assert rc == 0, err
 
 
