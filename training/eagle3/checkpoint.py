@@ -5,19 +5,30 @@
         optimizer.pt          optimizer and scheduler state
         trainer_state.json    step, epoch, position in the epoch plan, best validation loss, world size
         rng_rank{r}.pt        each rank's RNG states
-        COMPLETE              written last: a directory without it is ignored
+        config.json           the config that wrote it
+        COMPLETE              written last: the manifest {step, time, files: {name: {size, sha256}}}
 
-A checkpoint is written into `.tmp_step_*`, fsynced, marked COMPLETE and renamed into place, so a crash
+A checkpoint is written into `.tmp_step_*`, fsynced, given its manifest and renamed into place, so a crash
 or SIGKILL at any moment leaves either the previous valid checkpoints or a temporary directory that the
-next start removes.
+next start removes. A directory without COMPLETE is ignored (and removed at the next start).
+
+On resume the newest checkpoint is verified against its manifest (every file's size and sha256, and the
+trainer state); one that fails (truncated or zeroed file, unreadable or bad marker) is renamed aside to
+`step_XXXXXXXX.corrupt` (never deleted), one warning line names it and why, and the next older one is
+tried. When none is usable training starts from step 0 (the corrupt ones stay aside for inspection).
+Markers from before manifests (just the step number) are checked by loading every file instead.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +38,10 @@ from safetensors.torch import load_file, save_file
 MARKER = "COMPLETE"
 STEP_RE = re.compile(r"^step_(\d{8})$")
 BEST = "best"
+CORRUPT_SUFFIX = ".corrupt"
+REQUIRED_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.json")
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_CHUNK = 8 * 2**20
 
 
 @dataclass
@@ -125,7 +140,14 @@ def write_rng(tmp: Path, rank: int) -> None:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
-    torch.save(state, tmp / f"rng_rank{rank}.pt")
+    _torch_save(state, tmp / f"rng_rank{rank}.pt")
+
+
+def _torch_save(obj, path: Path) -> None:
+    # Through a Python file object: a full disk then surfaces as OSError(ENOSPC) (in the RuntimeError's
+    # context); torch.save(obj, path) reports only "file write failed".
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def write_main(
@@ -133,18 +155,65 @@ def write_main(
 ) -> None:
     """Rank 0's part: weights, optimizer state (keyed by parameter name), scheduler, trainer state."""
     save_file(model_state, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    _torch_save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1) + "\n")
     (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
-def finalize(run_dir: str | os.PathLike, step: int, keep_last: int) -> Path:
-    """fsync, write the marker, rename into place and prune old checkpoints (rank 0 only)."""
-    tmp = tmp_dir_for(run_dir, step)
-    for f in tmp.iterdir():
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT, possibly wrapped: safetensors says so in its message, torch.save (to a file object) keeps the
+    OSError as the context of its RuntimeError.
+
+    >>> is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    True
+    >>> is_disk_full(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    True
+    >>> is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    False
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def write_marker(directory: Path, step: int) -> dict:
+    """fsync every file, then write the manifest as the marker (the last file written); returns it."""
+    files = {}
+    for f in sorted(directory.iterdir()):
+        if f.name == MARKER or not f.is_file():
+            continue
         _fsync_file(f)
-    (tmp / MARKER).write_text(f"{step}\n")
-    _fsync_file(tmp / MARKER)
+        size, digest = file_digest(f)
+        files[f.name] = {"size": size, "sha256": digest}
+    manifest = {"step": step, "time": time.time(), "files": files}
+    with open(directory / MARKER, "w") as f:
+        f.write(json.dumps(manifest, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+def finalize(run_dir: str | os.PathLike, step: int, keep_last: int) -> Path:
+    """fsync, write the manifest marker, rename into place and prune old checkpoints (rank 0 only)."""
+    tmp = tmp_dir_for(run_dir, step)
+    write_marker(tmp, step)
     _fsync_dir(tmp)
     final = checkpoints_dir(run_dir) / step_dir_name(step)
     if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
@@ -166,26 +235,145 @@ def prune(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
 
 
 def save_best(run_dir: str | os.PathLike, step_checkpoint: Path) -> Path:
-    """Publish a complete step checkpoint as `checkpoints/best` atomically (link or copy, then rename over)."""
+    """Publish a complete step checkpoint as `checkpoints/best` atomically (link or copy, then rename over).
+
+    A failure (a full disk while copying) removes the temporary copy and leaves the previous `best` as it was.
+    """
     root = checkpoints_dir(run_dir)
     tmp = root / ".tmp_best"
     shutil.rmtree(tmp, ignore_errors=True)
-    # Hard links: step checkpoints are never modified once complete, and a copy of a large drafter's
-    # optimizer state would take minutes. Falls back to copying across filesystems.
     try:
-        shutil.copytree(step_checkpoint, tmp, copy_function=os.link)
-    except OSError:
+        # Hard links: step checkpoints are never modified once complete, and a copy of a large drafter's
+        # optimizer state would take minutes. Falls back to copying across filesystems.
+        try:
+            shutil.copytree(step_checkpoint, tmp, copy_function=os.link)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(step_checkpoint, tmp)
+        _fsync_dir(tmp)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(step_checkpoint, tmp)
-    _fsync_dir(tmp)
+        raise
     old = root / ".old_best"
     best = root / BEST
+    shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         os.rename(best, old)
     os.rename(tmp, best)
     shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(root)
     return best
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The marker's manifest; None for a marker from before manifests (just the step number).
+
+    Raises ValueError when the marker is neither.
+    """
+    text = (path / MARKER).read_text()
+    if text.strip().isdigit():
+        return None
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        raise ValueError(f"bad {MARKER} marker ({len(text)} bytes, not a manifest)") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"bad {MARKER} marker (no file list)")
+    return manifest
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used, or None when it verifies.
+
+    With a manifest: each listed file's size and sha256, the required files listed, the step in the marker and in
+    trainer_state.json equal to the directory's. Without one (an old marker): every file is loaded.
+    """
+    m = STEP_RE.match(path.name)
+    dir_step = int(m.group(1)) if m else None
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as e:
+        return str(e) if isinstance(e, ValueError) else f"unreadable {MARKER} marker ({e.strerror or e})"
+    try:
+        if manifest is None:
+            marker_step = int((path / MARKER).read_text())
+            if dir_step is not None and marker_step != dir_step:
+                return f"the marker says step {marker_step}"
+            load_file(str(path / "model.safetensors"))
+            torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        else:
+            if dir_step is not None and manifest.get("step") != dir_step:
+                return f"the marker says step {manifest.get('step')}"
+            files = manifest["files"]
+            missing = [name for name in REQUIRED_FILES if name not in files]
+            if missing:
+                return f"the manifest lacks {', '.join(missing)}"
+            for name, want in files.items():
+                f = path / name
+                if not f.is_file():
+                    return f"{name} is missing"
+                size = f.stat().st_size
+                if size != want.get("size"):
+                    return f"{name} has {size} bytes, the manifest says {want.get('size')} (truncated or overwritten)"
+                if file_digest(f)[1] != want.get("sha256"):
+                    return f"{name} does not match its sha256 in the manifest (changed after it was written)"
+        state = read_state(path)
+        if dir_step is not None and state.step != dir_step:
+            return f"trainer_state.json says step {state.step}"
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}" + (f" ({Path(e.filename).name})" if e.filename else "")
+    except Exception as e:  # a corrupt file that still loads this far: any parser error
+        return f"does not load: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return None
+
+
+def quarantine(path: Path) -> Path:
+    """Rename a corrupt checkpoint aside (`step_XXXXXXXX.corrupt`, `.corrupt.1`, ...) so it is kept, not used."""
+    target = path.with_name(path.name + CORRUPT_SUFFIX)
+    n = 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{CORRUPT_SUFFIX}.{n}")
+    os.rename(path, target)
+    _fsync_dir(path.parent)
+    return target
+
+
+def choose_resume(
+    run_dir: str | os.PathLike, warn: Callable[[str], None] = print
+) -> tuple[Path | None, list[dict]]:
+    """The newest checkpoint that verifies, and the ones skipped on the way ({name, reason, moved_to}).
+
+    Each skipped one is renamed aside (or, when that fails, left in place and said so) with one warning line.
+    """
+    skipped = []
+    for _step, path in reversed(list_valid(run_dir)):
+        reason = verify(path)
+        if reason is None:
+            return path, skipped
+        try:
+            moved = quarantine(path)
+            where = f"moved aside to {moved}"
+            moved_to = moved.name
+        except OSError as e:
+            where = (
+                f"left in place (renaming it failed: {e.strerror or e}); it will be tried again next start"
+            )
+            moved_to = None
+        warn(f"warning: checkpoint {path} skipped: {reason}; {where}")
+        skipped.append({"name": path.name, "reason": reason, "moved_to": moved_to})
+    return None, skipped
+
+
+def checkpoint_time(path: Path) -> float:
+    """When the checkpoint was completed: the manifest's time, else the marker's modification time."""
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError):
+        manifest = None
+    if manifest and isinstance(manifest.get("time"), int | float):
+        return float(manifest["time"])
+    return (path / MARKER).stat().st_mtime
 
 
 def read_state(path: Path) -> TrainerState:

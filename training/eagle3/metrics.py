@@ -153,8 +153,12 @@ class RunFiles:
             "peak_mem_gb": 0.0,
             "mem_kind": "rss",
             "eta_s": None,
-            "resumed_from_step": None,
-            "last_checkpoint_step": None,
+            "resumed_from_step": None,  # the step of the checkpoint this start resumed from
+            "resumed_from_checkpoint": None,  # its path
+            "skipped_checkpoints": [],  # corrupt ones passed over at this start: {name, reason, moved_to}
+            "last_checkpoint_step": None,  # the newest valid checkpoint (also right after a resume)
+            "last_checkpoint_time": None,  # when it was completed (unix seconds)
+            "watchdog_bound_s": None,  # the hang watchdog's current bound for one step (log steps)
             "val": None,
             "error": None,
             "pid": os.getpid(),
