@@ -10,6 +10,7 @@ max_seq_len=${1:-16384}
 
 echo "[demo] provision.yml: local CT 129 (LXC, systemd, stand-in GPUs, no network)"
 ansible-playbook provision.yml
-echo "[demo] train.yml -e max_seq_len=$max_seq_len"
-ansible-playbook train.yml -e "max_seq_len=$max_seq_len"
+echo "[demo] train.yml -e max_seq_len=$max_seq_len (with the synthetic demo data set, built once)"
+# The demo asks for synthetic data explicitly; a plain train.yml never invents a data set. (JSON: a real boolean.)
+ansible-playbook train.yml -e "max_seq_len=$max_seq_len" -e '{"eagle3_train_synth_if_missing": true}'
 echo "[demo] done. Status any time: ansible-playbook status.yml; stop: ansible-playbook cleanup.yml"
