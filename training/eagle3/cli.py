@@ -1,11 +1,4 @@
-"""Command line: `python -m eagle3 {train,synth,plan,export,import}` (also the `eagle3` console script).
-
-train  --config FILE [--max-seq-len 16384 ...]    train (or resume) a drafter; exit 0/1/2/3
-synth  OUT_DIR [--num-samples N ...]              write a learnable synthetic dataset
-plan   ...                                        memory planner (eagle3.plan)
-export RUN_DIR OUT_DIR [--checkpoint best|latest|PATH]   speculators format for vLLM
-import SRC OUT --target-weights PATH [--draft-vocab N]   from the speculators offline layout
-"""
+"""Command line: `python -m eagle3 {train,synth,plan,export,import}` (also the `eagle3` console script)."""
 
 from __future__ import annotations
 
@@ -15,7 +8,36 @@ from pathlib import Path
 
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
 
-USAGE = __doc__
+USAGE = """\
+usage: python -m eagle3 COMMAND [ARGS...]    (or the `eagle3` console script)
+
+train  --config FILE [--max-seq-len 16384 ...]    train (or resume) a drafter; exit 0/1/2/3
+synth  OUT_DIR [--num-samples N ...]              write a learnable synthetic dataset
+plan   ...                                        memory planner (eagle3.plan)
+export RUN_DIR OUT_DIR [--checkpoint best|latest|PATH]   speculators format for vLLM
+import SRC OUT --target-weights PATH [--draft-vocab N]   from the speculators offline layout
+
+`python -m eagle3 COMMAND --help` lists every option of a command with its type, default and meaning.
+"""
+HELP_FLAGS = ("-h", "--help")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse help that adds each option's default to its one line of meaning (unless the line says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default is not None
+            and default is not False
+            and default != argparse.SUPPRESS
+            and "%(default)" not in text
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
 
 
 def cmd_synth(argv: list[str]) -> int:
@@ -79,12 +101,24 @@ def load_trained(run_dir: str, which: str = "best"):
     return model, path, cfg
 
 
+def export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3 export",
+        description="Export a trained drafter in the speculators format for vLLM (config.json, model.safetensors).",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("run_dir", help="the run directory of `eagle3 train` (its checkpoints and config)")
+    p.add_argument("out_dir", help="directory to write config.json and model.safetensors into")
+    p.add_argument("--checkpoint", default="best", metavar="best|latest|PATH",
+                   help="which checkpoint: best (the newest valid one when no validation ran), latest, "
+                   "or a checkpoint directory")  # fmt: skip
+    p.add_argument("--verifier", default=None, metavar="NAME",
+                   help="the target model's name or path, recorded for vLLM (default: none recorded)")  # fmt: skip
+    return p
+
+
 def cmd_export(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="eagle3 export", description="Export a trained drafter for vLLM.")
-    p.add_argument("run_dir")
-    p.add_argument("out_dir")
-    p.add_argument("--checkpoint", default="best", help="best (default), latest, or a checkpoint directory")
-    p.add_argument("--verifier", default=None, help="the target model's name or path, recorded for vLLM")
+    p = export_parser()
     args = p.parse_args(argv)
     from eagle3.export import export_speculators
 
@@ -96,21 +130,28 @@ def cmd_export(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def cmd_import(argv: list[str]) -> int:
+def import_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="eagle3 import", description="Import the speculators offline data layout."
+        prog="python -m eagle3 import",
+        description="Import the speculators offline data layout as a native dataset.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("src", help="directory with hidden_states/hs_{i}.safetensors")
-    p.add_argument("out", help="new native dataset directory")
-    p.add_argument("--target-weights", required=True,
-                   help="safetensors with embed/final_norm/lm_head (or HF names), or an HF model directory")  # fmt: skip
-    p.add_argument("--draft-vocab", type=int, default=32000)
-    p.add_argument(
-        "--aux-layer-ids",
-        required=True,
-        help="the three target layers the hidden states came from, e.g. 2,30,58",
-    )
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("src", help="directory with hidden_states/hs_{i}.safetensors (and loss_masks.jsonl)")
+    p.add_argument("out", help="the new native dataset directory")
+    p.add_argument("--target-weights", required=True, metavar="PATH",
+                   help="safetensors with embed/final_norm/lm_head (or HF names), or an HF model directory "
+                   "(required)")  # fmt: skip
+    p.add_argument("--draft-vocab", type=int, default=32000, metavar="INT",
+                   help="draft vocab size: the most frequent supervised target tokens")  # fmt: skip
+    p.add_argument("--aux-layer-ids", required=True, metavar="A,B,C",
+                   help="the three target layers the hidden states came from, e.g. 2,30,58 (required)")  # fmt: skip
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the stored hidden states")  # fmt: skip
+    return p
+
+
+def cmd_import(argv: list[str]) -> int:
+    p = import_parser()
     args = p.parse_args(argv)
     import torch
 
@@ -137,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK if argv else EXIT_CONFIG
     command, rest = argv[0], argv[1:]
     if command == "train":
+        if any(arg in HELP_FLAGS for arg in rest):
+            from eagle3.config import render_help
+
+            print(render_help())
+            return EXIT_OK
         from eagle3.train import main as train_main
 
         return train_main(rest)

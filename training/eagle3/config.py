@@ -3,6 +3,10 @@
 The keys are a public contract: the Ansible role `eagle3_train` templates them. Every key can be
 overridden as `--max-seq-len 16384` or `--max_seq_len=16384`. Validation happens before any data is
 read or any GPU memory is taken, and every message names the key, the value seen and what to do.
+
+Each key is declared once, below, with its type, default, allowed values or bound and one line of meaning.
+Coercion, validation, `eagle3 train --help`, the planner's shared options and the key table in
+training/README.md (`python -m eagle3.config --readme README.md` rewrites it) are all derived from it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import os
 import tempfile
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,60 +28,42 @@ from eagle3.errors import ConfigError
 SEQ_BLOCK = 128
 
 
-@dataclass
-class TrainConfig:
-    """Every trainer option. Defaults are for a real run; the tests override them with tiny values."""
+@dataclass(frozen=True)
+class Bound:
+    """A value check, shown as `label` in --help and the README; `says` completes "<key>=<value> ..."."""
 
-    data_dir: str = ""
-    run_dir: str = ""
-    max_seq_len: int = 4096
-    ttt_steps: int = 5
-    ttt_gamma: float = 1.0
-    epochs: int = 1
-    max_steps: int = 0  # 0: the epochs decide
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 100
-    grad_clip: float = 0.5
-    seed: int = 0
-    log_every: int = 10
-    val_every: int = 500  # 0: validate only at the end
-    val_fraction: float = 0.1
-    checkpoint_every: int = 1000
-    keep_checkpoints: int = 3
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | bf16 | fp32
-    activation_checkpointing: bool = False
-    fsdp: bool = False
-    memory_limit_gb: float = 0.0  # 0: off
-    attention: str = "auto"  # auto | flex | exact
-    loss_chunk_size: int = 4096
-    num_threads: int = 0  # CPU threads per rank; 0: torch's default
-    standin_gpu_devices: list[str] = field(default_factory=list)
-    record_samples: bool = (
-        False  # write the sample ids of every step to samples_rank{r}.jsonl (tests, audits)
-    )
-    # Drafter shape: hidden size and vocab sizes come from the dataset index; these may be set, 0 = derived.
-    hidden_size: int = 0  # when set, must equal the dataset's hidden size
-    num_heads: int = 0
-    head_dim: int = 0
-    intermediate_size: int = 0
-    norm_before_fc: bool = False
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    label: str
+    holds: Callable[[typing.Any], bool]
+    says: str
 
 
-CHOICES = {
-    "device": ("auto", "cpu", "cuda"),
-    "dtype": ("auto", "bf16", "fp32"),
-    "attention": ("auto", "flex", "exact"),
-}
+REQUIRED = Bound("required", bool, "is empty")
+AT_LEAST_1 = Bound(">= 1", lambda v: v >= 1, "must be at least 1")
+NON_NEGATIVE = Bound(">= 0", lambda v: v >= 0, "must be 0 or more")
+POSITIVE = Bound("> 0", lambda v: v > 0, "must be positive")
+UNIT_INTERVAL = Bound("(0, 1]", lambda v: 0 < v <= 1, "must be in (0, 1]")
+FRACTION = Bound("[0, 1)", lambda v: 0 <= v < 1, "must be in [0, 1)")
+SEQ_MULTIPLE = Bound(
+    f"multiple of {SEQ_BLOCK}",
+    lambda v: v > 0 and v % SEQ_BLOCK == 0,
+    f"is not a positive multiple of {SEQ_BLOCK} (flex_attention block size)",
+)
 
 
-def _field_types() -> dict[str, object]:
-    hints = typing.get_type_hints(TrainConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+def about(
+    help: str,
+    *,
+    choices: tuple[str, ...] = (),
+    bound: Bound | None = None,
+    fix: str | Callable[[typing.Any], str] = "",
+) -> dict:
+    """The metadata of one key: one line of meaning, allowed values or a bound, and the fix a message adds."""
+    return {"help": help, "choices": choices, "bound": bound, "fix": fix}
+
+
+def option(default: object, help: str, **kwargs):
+    """One config key with an immutable default (see `about` for the rest)."""
+    return field(default=default, metadata=about(help, **kwargs))
 
 
 def suggest_seq_len(value: int) -> str:
@@ -94,6 +81,196 @@ def suggest_seq_len(value: int) -> str:
     return f"try {lower} or {upper}"
 
 
+@dataclass
+class TrainConfig:
+    """Every trainer option. Defaults are for a real run; the tests override them with tiny values."""
+
+    data_dir: str = option(
+        "", "dataset directory made by `eagle3 synth` or `eagle3 import`", bound=REQUIRED,
+        fix="set it to a dataset directory made by `eagle3 synth` or `eagle3 import`",
+    )  # fmt: skip
+    run_dir: str = option(
+        "", "directory for checkpoints, metrics.jsonl and status.json (a restart resumes from it)",
+        bound=REQUIRED, fix="set it to a directory for checkpoints, metrics and status.json",
+    )  # fmt: skip
+    max_seq_len: int = option(
+        4096, "tokens in each packed row (one row per rank per step)", bound=SEQ_MULTIPLE,
+        fix=lambda v: suggest_seq_len(max(v, 1)),
+    )  # fmt: skip
+    ttt_steps: int = option(
+        5, "training-time-test steps: tokens drafted ahead and supervised", bound=AT_LEAST_1
+    )
+    ttt_gamma: float = option(
+        1.0, "loss weight of TTT step k is ttt_gamma**k", bound=UNIT_INTERVAL,
+        fix="1.0 as in speculators, 0.8 as in EAGLE/SpecForge",
+    )  # fmt: skip
+    epochs: int = option(1, "passes over the training split (when max_steps is 0)", bound=AT_LEAST_1)
+    max_steps: int = option(0, "optimizer steps in all; 0: the epochs decide", bound=NON_NEGATIVE)
+    lr: float = option(1e-4, "peak AdamW learning rate", bound=POSITIVE, fix="for example 1e-4")
+    weight_decay: float = option(0.0, "AdamW weight decay", bound=NON_NEGATIVE)
+    warmup_steps: int = option(
+        100, "linear warmup steps, then cosine decay to 10 % of lr", bound=NON_NEGATIVE
+    )
+    grad_clip: float = option(0.5, "clip the gradient norm to this; 0: off", bound=NON_NEGATIVE)
+    seed: int = option(0, "seed of the weight init and the per-epoch shuffle")
+    log_every: int = option(
+        10, "steps between metrics lines (metrics.jsonl, status.json, console)", bound=AT_LEAST_1
+    )
+    val_every: int = option(500, "steps between validations; 0: validate only at the end", bound=NON_NEGATIVE)
+    val_fraction: float = option(
+        0.1, "the last fraction of samples held out for validation", bound=FRACTION,
+        fix="for example 0.1 (the last 10 %)",
+    )  # fmt: skip
+    checkpoint_every: int = option(
+        1000, "steps between checkpoints (one is also written at the end and on a stop)", bound=AT_LEAST_1
+    )
+    keep_checkpoints: int = option(3, "step checkpoints kept (checkpoints/best is extra)", bound=AT_LEAST_1)
+    device: str = option(
+        "auto", "where to train; auto: cuda when torch sees a GPU, else cpu", choices=("auto", "cpu", "cuda")
+    )
+    dtype: str = option(
+        "auto", "compute dtype; auto: bf16 autocast on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp32")
+    )
+    activation_checkpointing: bool = option(
+        False, "recompute the decoder layer in backward: less memory, more compute"
+    )
+    fsdp: bool = option(
+        False, "FSDP2 fully_shard over the drafter (needs torchrun): bf16 params on CUDA, fp32 grad reduction"
+    )
+    memory_limit_gb: float = option(
+        0.0, "memory per rank in GiB (CUDA: memory fraction, CPU: RLIMIT_AS); 0: off", bound=NON_NEGATIVE
+    )
+    attention: str = option(
+        "auto", "TTT attention kernel; auto: flex on CUDA, exact (blockwise) elsewhere",
+        choices=("auto", "flex", "exact"),
+    )  # fmt: skip
+    loss_chunk_size: int = option(
+        4096, "positions per chunk of the vocab projection in the loss (bounds its memory)", bound=AT_LEAST_1
+    )
+    num_threads: int = option(0, "CPU threads per rank; 0: torch's default", bound=NON_NEGATIVE)
+    standin_gpu_devices: list[str] = field(
+        default_factory=list,
+        metadata=about("rank r holds entry r % n open, as a CUDA process holds /dev/nvidia* (tests)"),
+    )
+    record_samples: bool = option(
+        False, "write the sample ids of every step to samples_rank{r}.jsonl (tests, audits)"
+    )
+    collective_timeout_s: float = option(
+        600.0, "torch.distributed timeout of one collective (init_process_group), seconds", bound=POSITIVE
+    )
+    watchdog_floor_s: float = option(
+        300.0, "hang watchdog: a step may take max(this, watchdog_factor x median step time) s; 0: off",
+        bound=NON_NEGATIVE, fix="for example 300",
+    )  # fmt: skip
+    watchdog_factor: float = option(
+        10.0, "hang watchdog: multiple of the median of the recent step times", bound=AT_LEAST_1
+    )
+    watchdog_first_step_s: float = option(
+        1800.0, "hang watchdog: bound for model build + resume + the first step (compile, warm-up), s",
+        bound=POSITIVE,
+    )  # fmt: skip
+    watchdog_checkpoint_s: float = option(
+        1800.0, "hang watchdog: bound for writing one checkpoint, s", bound=POSITIVE
+    )
+    # Drafter shape: hidden size and vocab sizes come from the dataset index; these may be set, 0 = derived.
+    hidden_size: int = option(
+        0, "0, or the dataset's hidden size (a check: it comes from the dataset)", bound=NON_NEGATIVE
+    )
+    num_heads: int = option(0, "attention heads; 0: derived from the hidden size", bound=NON_NEGATIVE)
+    head_dim: int = option(0, "dimension per head; 0: derived", bound=NON_NEGATIVE)
+    intermediate_size: int = option(0, "MLP width; 0: derived from the hidden size", bound=NON_NEGATIVE)
+    norm_before_fc: bool = option(False, "RMS-normalize the three aux hidden states before the fc projection")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """The declaration of one key, as coercion, validation, --help and the README read it."""
+
+    name: str
+    kind: object  # int, float, bool, str or list[str]
+    default: object
+    help: str
+    choices: tuple[str, ...]
+    bound: Bound | None
+    fix: str | Callable[[typing.Any], str]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES.get(self.kind, "list")
+
+    @property
+    def allowed(self) -> str:
+        """Allowed values or the bound, for --help and the README ('' when any value of the type goes)."""
+        if self.choices:
+            return ", ".join(self.choices)
+        return self.bound.label if self.bound else ""
+
+    def fix_for(self, value: object) -> str:
+        return self.fix(value) if callable(self.fix) else self.fix
+
+
+TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def _specs() -> dict[str, KeySpec]:
+    hints = typing.get_type_hints(TrainConfig)
+    specs = {}
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        md = f.metadata
+        specs[f.name] = KeySpec(
+            f.name, hints[f.name], default, md["help"], md["choices"], md["bound"], md["fix"]
+        )
+    return specs
+
+
+SPECS: dict[str, KeySpec] = _specs()
+CHOICES: dict[str, tuple[str, ...]] = {name: s.choices for name, s in SPECS.items() if s.choices}
+
+
+def choices(key: str) -> tuple[str, ...]:
+    """The allowed values of a key (the planner's argparse shares them).
+
+    >>> choices("dtype")
+    ('auto', 'bf16', 'fp32')
+    """
+    return SPECS[key].choices
+
+
+def key_help(key: str) -> str:
+    """The one-line meaning of a key, with its default."""
+    spec = SPECS[key]
+    return f"{spec.help} (trainer default {format_default(spec.default)})"
+
+
+def format_default(value: object) -> str:
+    """
+    >>> format_default(""), format_default([]), format_default(False), format_default(1e-4)
+    ('""', '[]', 'false', '0.0001')
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return '""'
+    if isinstance(value, list):
+        return "[" + ", ".join(value) + "]"
+    return str(value)
+
+
+def _unknown_key(key: str, origin: str = "") -> ConfigError:
+    return ConfigError(
+        f"unknown config key {key!r}{origin}; known keys: {', '.join(sorted(SPECS))} "
+        "(`eagle3 train --help` describes each)"
+    )
+
+
 def coerce_value(key: str, value: object) -> object:
     """Convert a YAML/CLI value to the type of `key`, or raise ConfigError naming the key.
 
@@ -106,10 +283,9 @@ def coerce_value(key: str, value: object) -> object:
     >>> coerce_value("standin_gpu_devices", "/dev/nvidia0,/dev/nvidia1")
     ['/dev/nvidia0', '/dev/nvidia1']
     """
-    types = _field_types()
-    if key not in types:
-        raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(types))}")
-    kind = types[key]
+    if key not in SPECS:
+        raise _unknown_key(key)
+    kind = SPECS[key].kind
     raw = value
     if isinstance(value, str) and kind is not str:
         # CLI values arrive as strings; YAML gives `true`, `1e-4`, `[a, b]` their natural types.
@@ -175,7 +351,6 @@ def parse_overrides(argv: list[str]) -> dict[str, object]:
     >>> parse_overrides(["--max-seq-len", "16384", "--fsdp", "--lr=3e-4"])
     {'max_seq_len': '16384', 'fsdp': True, 'lr': '3e-4'}
     """
-    types = _field_types()
     out: dict[str, object] = {}
     i = 0
     while i < len(argv):
@@ -184,14 +359,12 @@ def parse_overrides(argv: list[str]) -> dict[str, object]:
             raise ConfigError(f"unexpected argument {arg!r}; options look like --max-seq-len 16384")
         name, eq, inline = arg[2:].partition("=")
         key = name.replace("-", "_")
-        if key not in types:
-            raise ConfigError(
-                f"unknown config key {key!r} (from {arg!r}); known keys: {', '.join(sorted(types))}"
-            )
+        if key not in SPECS:
+            raise _unknown_key(key, f" (from {arg!r})")
         if eq:
             out[key] = inline
             i += 1
-        elif types[key] is bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+        elif SPECS[key].kind is bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
             out[key] = True  # a bare flag: --fsdp
             i += 1
         elif i + 1 < len(argv):
@@ -239,63 +412,94 @@ def load_config(config_path: str | None, argv: list[str]) -> TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Checks that need no data. Raises ConfigError with the key, the value and the fix."""
-    if not cfg.data_dir:
-        raise ConfigError(
-            "data_dir is empty; set it to a dataset directory made by `eagle3 synth` or `eagle3 import`"
-        )
-    if not cfg.run_dir:
-        raise ConfigError("run_dir is empty; set it to a directory for checkpoints, metrics and status.json")
-    if cfg.max_seq_len <= 0 or cfg.max_seq_len % SEQ_BLOCK:
-        raise ConfigError(
-            f"max_seq_len={cfg.max_seq_len} is not a positive multiple of {SEQ_BLOCK} (flex_attention block size); "
-            f"{suggest_seq_len(max(cfg.max_seq_len, 1))}"
-        )
-    for key, choices in CHOICES.items():
-        value = getattr(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
-    positive_ints = (
-        "ttt_steps",
-        "epochs",
-        "log_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "loss_chunk_size",
-    )
-    for key in positive_ints:
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be at least 1")
-    non_negative = (
-        "hidden_size",
-        "max_steps",
-        "warmup_steps",
-        "val_every",
-        "num_threads",
-        "num_heads",
-        "head_dim",
-        "intermediate_size",
-    )
-    for key in non_negative:
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{key}={getattr(cfg, key)} must be 0 or more")
-    if not 0.0 < cfg.ttt_gamma <= 1.0:
-        raise ConfigError(
-            f"ttt_gamma={cfg.ttt_gamma} must be in (0, 1] (1.0 speculators, 0.8 EAGLE/SpecForge)"
-        )
-    if cfg.lr <= 0:
-        raise ConfigError(f"lr={cfg.lr} must be positive, for example 1e-4")
-    if cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.memory_limit_gb < 0:
-        bad = next(k for k in ("weight_decay", "grad_clip", "memory_limit_gb") if getattr(cfg, k) < 0)
-        raise ConfigError(f"{bad}={getattr(cfg, bad)} must be 0 or more")
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise ConfigError(
-            f"val_fraction={cfg.val_fraction} must be in [0, 1), for example 0.1 (the last 10 %)"
-        )
+    """Checks that need no data, from the declaration. Raises ConfigError with the key, the value and the fix."""
+    for spec in SPECS.values():
+        value = getattr(cfg, spec.name)
+        if spec.choices and value not in spec.choices:
+            raise ConfigError(f"{spec.name}={value!r} is not one of {', '.join(spec.choices)}")
+        if spec.bound is not None and not spec.bound.holds(value):
+            if spec.bound is REQUIRED:
+                message = f"{spec.name} {spec.bound.says}"
+            else:
+                message = f"{spec.name}={value!r} {spec.bound.says}"
+            fix = spec.fix_for(value)
+            raise ConfigError(f"{message}; {fix}" if fix else message)
     if cfg.device == "cpu" and cfg.attention == "flex":
         raise ConfigError(
             "attention='flex' needs CUDA (flex_attention has no backward on CPU); use attention: exact"
         )
+
+
+# ------------------------------------------------------------------------------------- help and README
+TRAIN_USAGE = """\
+usage: python -m eagle3 train --config FILE [--KEY VALUE ...]
+
+Train a drafter, or resume it from the newest complete checkpoint in run_dir.
+Every config key below can be set in the --config file (a flat YAML or JSON mapping) and on the command
+line, where it wins: --max-seq-len 16384, --max_seq_len=16384; a bool key alone (--fsdp) means true.
+Exit status: 0 done or stopped cleanly, 1 crash, 2 bad config or data, 3 out of memory.
+
+options:
+  -h, --help             show this help and exit
+  --config FILE          the config file (flat YAML or JSON)
+
+config keys (type, default, allowed values):"""
+
+
+def render_help() -> str:
+    """`eagle3 train --help`: every key with its type, default, allowed values or bound, and meaning."""
+    lines = [TRAIN_USAGE]
+    metavars = {"bool": "[BOOL]", "list": "A,B,..."}
+    heads = {name: f"{s.flag} {metavars.get(s.type_name, s.type_name.upper())}" for name, s in SPECS.items()}
+    width = max(map(len, heads.values())) + 2
+    for name, spec in SPECS.items():
+        facts = f"default {format_default(spec.default)}"
+        if spec.bound is REQUIRED:
+            facts = "required"
+        elif spec.allowed:
+            facts += f"; allowed: {spec.allowed}"
+        lines.append(f"  {heads[name]:<{width}}{facts}")
+        lines.append(f"      {spec.help}")
+    return "\n".join(lines)
+
+
+README_BEGIN = "<!-- config-keys:begin -->"
+README_END = "<!-- config-keys:end -->"
+
+
+def render_markdown() -> str:
+    """The key table of training/README.md (between its config-keys markers)."""
+    lines = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for spec in SPECS.values():
+        allowed, meaning = (text.replace("|", "\\|") for text in (spec.allowed, spec.help))
+        lines.append(
+            f"| `{spec.name}` | {spec.type_name} | `{format_default(spec.default)}` | {allowed} | {meaning} |"
+        )
+    return "\n".join(lines)
+
+
+def readme_table(text: str) -> str:
+    """The text between the config-keys markers of a README (stripped)."""
+    try:
+        start = text.index(README_BEGIN) + len(README_BEGIN)
+        end = text.index(README_END, start)
+    except ValueError as e:
+        raise ConfigError(f"the README lacks the markers {README_BEGIN} ... {README_END}") from e
+    return text[start:end].strip()
+
+
+def update_readme(path: str | os.PathLike) -> bool:
+    """Rewrite the key table between the markers of the README at `path`; True when it changed."""
+    p = Path(path)
+    text = p.read_text()
+    old = readme_table(text)
+    new = render_markdown()
+    if old == new:
+        return False
+    start = text.index(README_BEGIN) + len(README_BEGIN)
+    end = text.index(README_END, start)
+    atomic_write_text(p, text[:start] + "\n" + new + "\n" + text[end:])
+    return True
 
 
 def dump_config(cfg: TrainConfig, run_dir: str | os.PathLike) -> Path:
@@ -325,3 +529,14 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: object) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python -m eagle3.config                      print the key table (Markdown)
+    # python -m eagle3.config --readme README.md   rewrite the table between the README's markers
+    if sys.argv[1:2] == ["--readme"] and len(sys.argv) == 3:
+        print("updated" if update_readme(sys.argv[2]) else "unchanged", sys.argv[2])
+    else:
+        print(render_markdown())

@@ -1,9 +1,15 @@
 """Run torchrun under systemd so that the unit's exit status means what the trainer meant.
 
-torchrun hides its workers' exit codes (any failed worker -> ChildFailedError -> exit 1) and exits 1 when it
-is stopped with SIGTERM, even after every worker checkpointed and exited 0. systemd then marks a graceful stop
-``failed`` and cannot tell an out-of-memory (never restart) from a crash (restart with back-off). This wrapper
-forwards SIGTERM/SIGINT to torchrun, waits, and derives the exit status from the trainer's own status.json:
+torchrun hides its workers' exit codes (any failed worker -> ChildFailedError -> exit 1). Its agent also
+turns a SIGTERM into a SignalException: it prints a traceback, gives the workers 30 s (its shutdown timeout)
+before SIGKILL, and exits 1 even after every worker checkpointed and exited 0. systemd then marks a graceful
+stop ``failed`` and cannot tell an out-of-memory (never restart) from a crash (restart with back-off).
+
+This wrapper therefore sends SIGTERM/SIGINT to torchrun's workers (the agent's children, each the leader of
+its own process group) rather than to the agent: the workers agree on a stop at the next step boundary,
+checkpoint and exit 0, and the agent, seeing every worker succeed, exits 0 with no traceback and no SIGKILL
+deadline. Before the workers exist (rendezvous) and for SIGHUP the signal goes to the agent. The exit status
+comes from the trainer's own status.json:
 
     phase stopped or done        -> 0  (clean: the unit ends inactive, not failed)
     error.kind == "config"       -> 2  (RestartPreventExitStatus: a restart cannot help)
@@ -11,6 +17,7 @@ forwards SIGTERM/SIGINT to torchrun, waits, and derives the exit status from the
     anything else                -> torchrun's own status (1 for a crash: restart with back-off)
 
 Usage: python -m eagle3.launch --status RUN_DIR/status.json -- torchrun [ARGS...]
+       (or -- python -m torch.distributed.run [ARGS...])
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 import time
 
 EXIT_BY_ERROR_KIND = {"config": 2, "oom": 3}
+TO_WORKERS = (signal.SIGTERM, signal.SIGINT)  # the trainer checkpoints on these; SIGHUP goes to the agent
 
 
 def exit_status(torchrun_rc: int, status: dict | None, started_at: float) -> int:
@@ -54,10 +62,65 @@ def read_status(path: str) -> dict | None:
         return None
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (from /proc/*/stat, which every Linux kernel has)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'.
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 1 and fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def signal_workers(agent_pid: int, signum: int) -> list[int]:
+    """Send `signum` to each worker of the torchrun agent (to its process group when it leads one, as the
+    agent itself would); returns the workers signalled (none before the agent started them)."""
+    sent = []
+    for pid in children(agent_pid):
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signum)
+            else:
+                os.kill(pid, signum)
+            sent.append(pid)
+        except ProcessLookupError:
+            continue
+    return sent
+
+
+def outcome_line(rc: int, final: int, stop_signal: str, status: dict | None) -> str:
+    """The one line the launcher logs at the end.
+
+    >>> outcome_line(0, 0, "SIGTERM", {"phase": "stopped", "step": 7, "last_checkpoint_step": 7})
+    'eagle3.launch: stopped on SIGTERM; trainer checkpointed at step 7'
+    >>> outcome_line(1, 3, "", {"phase": "failed", "error": {"kind": "oom"}})
+    'eagle3.launch: torchrun exited 1; unit exit status 3 (trainer error: oom)'
+    """
+    status = status or {}
+    if stop_signal and final == 0 and status.get("phase") == "stopped":
+        step = status.get("last_checkpoint_step", status.get("step"))
+        return f"eagle3.launch: stopped on {stop_signal}; trainer checkpointed at step {step}"
+    if stop_signal and final == 0 and status.get("phase") == "done":
+        return f"eagle3.launch: {stop_signal} received after training finished (step {status.get('step')})"
+    kind = (status.get("error") or {}).get("kind")
+    suffix = f" (trainer error: {kind})" if kind else ""
+    return f"eagle3.launch: torchrun exited {rc}; unit exit status {final}{suffix}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eagle3.launch", description=__doc__.splitlines()[0])
-    ap.add_argument("--status", required=True, help="the trainer's status.json")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ARGS...")
+    ap.add_argument("--status", required=True, metavar="PATH", help="the trainer's status.json")
+    ap.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- torchrun ARGS... (the torchrun command line)"
+    )
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -65,10 +128,15 @@ def main(argv: list[str] | None = None) -> int:
 
     started_at = time.time()
     child = subprocess.Popen(command)
+    stop_signal = ""
 
     def forward(signum, _frame):
-        # torchrun forwards to its workers' process groups and waits for them (they checkpoint first).
-        child.send_signal(signum)
+        nonlocal stop_signal
+        name = signal.Signals(signum).name
+        if signum in TO_WORKERS and signal_workers(child.pid, signum):
+            stop_signal = stop_signal or name
+            return
+        child.send_signal(signum)  # no workers yet (or SIGHUP): the agent shuts down whatever it started
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
@@ -79,12 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         except InterruptedError:
             continue
     rc = 128 - rc if rc < 0 else rc  # killed by signal N: report 128+N, as a shell would
-    final = exit_status(rc, read_status(args.status), started_at)
-    print(
-        f"eagle3.launch: torchrun exited {child.returncode}; unit exit status {final}",
-        file=sys.stderr,
-        flush=True,
-    )
+    status = read_status(args.status)
+    final = exit_status(rc, status, started_at)
+    print(outcome_line(rc, final, stop_signal, status), file=sys.stderr, flush=True)
     return final
 
 

@@ -909,12 +909,17 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from eagle3 import config
+    from eagle3.cli import HelpFormatter
+
     p = argparse.ArgumentParser(
         prog="python -m eagle3 plan",
         description="Predict peak GPU memory per max_seq_len and choose the largest length that fits.",
+        formatter_class=HelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", help="trainer config (YAML); its dataset index gives the shape")
+    src.add_argument("--config", metavar="FILE",
+                     help="trainer config (YAML; max_seq_len: auto allowed); its dataset index gives the shape")  # fmt: skip
     src.add_argument("--shape", choices=sorted(SHAPES), help="a named drafter shape")
     for name in (
         "hidden-size",
@@ -924,40 +929,53 @@ def build_parser() -> argparse.ArgumentParser:
         "draft-vocab-size",
         "target-vocab-size",
     ):
-        p.add_argument(f"--{name}", type=int, help="override one dimension of --shape (or give all six)")
-    p.add_argument("--ttt-steps", type=int, default=None, help="TTT steps (default: the config's, else 5)")
-    p.add_argument("--world-size", type=int, default=1, help="ranks (GPUs) in the run")
+        p.add_argument(f"--{name}", type=int, metavar="INT",
+                       help="override one dimension of --shape (or give all six)")  # fmt: skip
+    p.add_argument("--ttt-steps", type=int, default=None, metavar="INT",
+                   help="TTT steps (default: the config's, else 5)")  # fmt: skip
+    p.add_argument("--world-size", type=int, default=1, metavar="INT", help="ranks (GPUs) in the run")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+                   help="memory per GPU in GiB (default: the config's memory_limit_gb)")  # fmt: skip
     p.add_argument(
-        "--memory-gb", type=float, default=None, help="memory per GPU in GiB (config memory_limit_gb)"
+        "--margin", type=float, default=0.1, metavar="FRACTION", help="fraction of memory kept free"
     )
-    p.add_argument("--margin", type=float, default=0.1, help="fraction of memory kept free (default 0.1)")
-    p.add_argument("--activation-checkpointing", action="store_true", default=None)
-    p.add_argument("--fsdp", action="store_true", default=None)
+    # Options shared with the trainer: their meaning and choices come from the config declaration.
+    shared = "(default: the config's, else the trainer default)"
+    for key in ("activation_checkpointing", "fsdp"):
+        p.add_argument("--" + key.replace("_", "-"), action="store_true", default=None,
+                       help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
     p.add_argument(
-        "--device", choices=("cuda", "cpu"), default=None, help="where the trainer runs (default cuda)"
-    )
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default=None)
-    p.add_argument("--attention", choices=("auto", "flex", "exact"), default=None)
-    p.add_argument("--loss-chunk-size", type=int, default=None)
+        "--device", choices=[c for c in config.choices("device") if c != "auto"], default=None,
+        help="where the trainer runs (default: the config's, resolved on this machine; else cuda)",
+    )  # fmt: skip
+    for key in ("dtype", "attention"):
+        p.add_argument("--" + key, choices=config.choices(key), default=None,
+                       help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
+    p.add_argument("--loss-chunk-size", type=int, default=None, metavar="INT",
+                   help=f"{config.SPECS['loss_chunk_size'].help} {shared}")  # fmt: skip
     p.add_argument(
         "--reserve-gb",
         type=float,
         default=None,
-        help="memory torch does not count, GiB (1.0 on cuda, 1 + 1/16 per thread on cpu)",
+        metavar="GIB",
+        help="memory torch does not count, GiB (default: 1.0 on cuda, 1 + 1/16 per thread on cpu)",
     )
-    p.add_argument("--lengths", default=None, help="lengths for the table, e.g. 8192,16384,32768")
+    p.add_argument("--lengths", default=None, metavar="N,N,...",
+                   help=f"lengths for the table, e.g. 8192,16384,32768 (default: {','.join(map(str, DEFAULT_LENGTHS))})")  # fmt: skip
     p.add_argument(
         "--probe", action="store_true", help="confirm with real steps on this GPU (skipped without CUDA)"
     )
-    p.add_argument("--probe-lengths", default="4096,8192", help="the two probe lengths")
-    p.add_argument("--cache-dir", default=None, help="probe cache (default ~/.cache/eagle3/plan)")
+    p.add_argument("--probe-lengths", default="4096,8192", metavar="N,N", help="the two probe lengths")
+    p.add_argument(
+        "--cache-dir", default=None, metavar="DIR", help="probe cache (default: ~/.cache/eagle3/plan)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (the Ansible role parses it)")
     return p
 
 
 def _resolve(args) -> tuple[Shape, Options, int, float]:
     """Shape, options, ttt_steps and memory from the command line and, when given, the trainer config."""
-    from types import SimpleNamespace
+    from eagle3.config import TrainConfig
 
     dims = (
         "hidden_size",
@@ -976,14 +994,7 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
         if args.device is None:
             device = cfg.device if cfg.device in ("cpu", "cuda") else local_device()
     else:
-        cfg = SimpleNamespace(
-            dtype="auto",
-            attention="auto",
-            activation_checkpointing=False,
-            fsdp=False,
-            loss_chunk_size=4096,
-            num_threads=0,
-        )
+        cfg = TrainConfig()  # the trainer's defaults, from its declaration
         if args.shape:
             shape = SHAPES[args.shape]
         elif all(getattr(args, d) for d in dims):

@@ -224,16 +224,50 @@ def _synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int, log) -
     return index
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="eagle3 synth", description="Write a learnable synthetic dataset.")
-    p.add_argument("out_dir")
+SYNTH_HELP = {
+    "num_samples": "documents to write",
+    "hidden_size": "hidden size of the random target (the drafter's hidden size)",
+    "target_vocab": "target vocab size",
+    "draft_vocab": "draft vocab size: the most frequent supervised target tokens",
+    "min_len": "shortest document in tokens (at least 8)",
+    "max_len": "longest document in tokens",
+    "seed": "seed of the target's weights and of the documents",
+    "temperature": "sampling temperature of the target (lower: more predictable responses)",
+    "zipf": "strength of the Zipf-like token-frequency prior",
+    "context": "how much the past beyond the current token matters (spectral scale of the recurrence)",
+    "dtype": "dtype of the stored hidden states",
+    "aux_layer_ids": "the three pretend target layers recorded in the index",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle3.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3 synth",
+        description="Write a learnable synthetic dataset: a random recurrent target model writes chat-like "
+        "documents (prompt masked, response supervised) with their hidden states.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("out_dir", help="the new dataset directory")
     d = SynthConfig()
     for name in ("num_samples", "hidden_size", "target_vocab", "draft_vocab", "min_len", "max_len", "seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), metavar="INT",
+                       help=SYNTH_HELP[name])  # fmt: skip
     for name in ("temperature", "zipf", "context"):
-        p.add_argument("--" + name, type=float, default=getattr(d, name))
-    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--aux-layer-ids", default=",".join(map(str, d.aux_layer_ids)))
+        p.add_argument(
+            "--" + name, type=float, default=getattr(d, name), metavar="FLOAT", help=SYNTH_HELP[name]
+        )
+    p.add_argument(
+        "--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"), help=SYNTH_HELP["dtype"]
+    )
+    p.add_argument("--aux-layer-ids", default=",".join(map(str, d.aux_layer_ids)), metavar="A,B,C",
+                   help=SYNTH_HELP["aux_layer_ids"])  # fmt: skip
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     values = vars(args)
     out_dir = values.pop("out_dir")

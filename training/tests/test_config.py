@@ -1,7 +1,11 @@
 """Trainer config: file + command line, validated with messages that name the key, the value and the fix."""
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import yaml
+from eagle3 import config
 from eagle3.config import TrainConfig, dump_config, load_config
 from eagle3.errors import ConfigError
 
@@ -66,3 +70,68 @@ def test_dump_round_trips(tmp_path):
     path = dump_config(cfg, tmp_path / "run")
     again = TrainConfig(**yaml.safe_load(path.read_text()))
     assert again == cfg
+
+
+# ------------------------------------------------------------------------------------- the declaration
+def test_every_key_is_declared_with_help_and_a_type():
+    for spec in config.SPECS.values():
+        assert spec.help and "\n" not in spec.help, spec.name
+        assert spec.type_name in ("int", "float", "bool", "str", "list"), spec.name
+        assert not (spec.choices and spec.bound), f"{spec.name}: choices or a bound, not both"
+    assert set(config.SPECS) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert config.CHOICES["device"] == ("auto", "cpu", "cuda")
+
+
+@pytest.mark.parametrize(
+    "name", [n for n, s in config.SPECS.items() if s.bound and s.bound is not config.REQUIRED]
+)
+def test_each_bound_is_enforced_with_the_key_the_value_and_the_bound(tmp_path, name):
+    spec = config.SPECS[name]
+    bad = {">= 1": 0, ">= 0": -1, "> 0": 0, "(0, 1]": 1.5, "[0, 1)": 1.0, "multiple of 128": 100}[
+        spec.bound.label
+    ]
+    with pytest.raises(ConfigError) as e:
+        load_config(str(_file(tmp_path)), [spec.flag, str(bad)])
+    message = str(e.value)
+    assert message.startswith(f"{name}=") and str(bad) in message and spec.bound.says in message
+
+
+@pytest.mark.parametrize("name", list(config.CHOICES))
+def test_each_choice_list_is_enforced(tmp_path, name):
+    with pytest.raises(ConfigError, match=f"{name}='nope' is not one of {', '.join(config.CHOICES[name])}"):
+        load_config(str(_file(tmp_path)), [f"--{name}", "nope"])
+
+
+def test_unknown_key_lists_the_known_ones(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(str(_file(tmp_path)), ["--help"])
+    assert "unknown config key 'help'" in str(e.value)
+    assert all(name in str(e.value) for name in config.SPECS)
+
+
+def test_train_help_lists_every_key_with_type_default_and_allowed_values():
+    text = config.render_help()
+    for spec in config.SPECS.values():
+        line = next(line for line in text.splitlines() if line.strip().startswith(spec.flag + " "))
+        assert config.format_default(spec.default) in line or spec.bound is config.REQUIRED, line
+        assert spec.allowed in line, line
+        assert spec.help in text
+    assert "--config FILE" in text
+
+
+def test_readme_key_table_is_the_declaration():
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    assert config.readme_table(readme.read_text()) == config.render_markdown(), (
+        "training/README.md's config key table differs from eagle3/config.py; "
+        "regenerate it: cd training && python -m eagle3.config --readme README.md"
+    )
+
+
+def test_update_readme_rewrites_only_between_the_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{config.README_BEGIN}\nold table\n{config.README_END}\noutro\n")
+    assert config.update_readme(readme) is True
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
+    assert config.readme_table(text) == config.render_markdown()
+    assert config.update_readme(readme) is False
