@@ -122,3 +122,101 @@ def verdict(
 
 def status_path(run_dir: str) -> str:
     return os.path.join(run_dir, "status.json")
+
+
+# --- one state for the whole run -------------------------------------------------------------------------
+
+RUN_STATES = ("running", "starting", "stopped", "finished", "failed", "crash-looping")
+# A stalled run is "running" with a stall note: no status update for this many expected intervals (and a floor).
+STALL_FACTOR, STALL_FLOOR_S = 3.0, 120.0
+
+
+def expected_update_interval(status: dict) -> float | None:
+    """Seconds between two status updates of a healthy run: one per logged step (log_every steps).
+
+    >>> expected_update_interval({"step_time_s": 4.0, "log_every": 10})
+    40.0
+    >>> expected_update_interval({"step_time_s": 0}) is None
+    True
+    """
+    step = float(status.get("step_time_s") or 0)
+    if step <= 0:
+        return None
+    return step * max(int(status.get("log_every") or 1), 1)
+
+
+def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at: float, now: float) -> dict:
+    """The run as one state, with the reason and what a person should look at.
+
+    ``unit`` is ``systemctl show`` (ActiveState, SubState, Result, NRestarts); ``backoff`` the unit's restart
+    state (module_utils/restart_backoff.py); ``started_at`` the wall-clock start of the unit's main process.
+    Returns {state, reason, detail, stalled}; rates and ETA belong only to ``running``.
+
+    >>> run_state({"phase": "training", "step": 9, "updated": 100, "step_time_s": 4, "log_every": 1},
+    ...           {"ActiveState": "active", "SubState": "running"}, {}, started_at=50, now=110)["state"]
+    'running'
+    >>> r = run_state({"phase": "training", "step": 9, "updated": 100, "step_time_s": 4, "log_every": 1},
+    ...               {"ActiveState": "active", "SubState": "running"}, {}, started_at=50, now=700)
+    >>> r["state"], r["stalled"], r["detail"]
+    ('running', True, 'stalled: no step for 600 s (expected about 4 s)')
+    >>> run_state(None, {"ActiveState": "activating", "SubState": "start-pre"},
+    ...           {"failures": 2, "last_exit": {"reason": "oom", "message": "CUDA out of memory"}}, 0, 1)["state"]
+    'crash-looping'
+    >>> run_state({"phase": "stopped", "step": 30, "updated": 90}, {"ActiveState": "inactive", "Result": "success"},
+    ...           {}, started_at=50, now=100)["state"]
+    'stopped'
+    """
+    active, sub = unit.get("ActiveState", ""), unit.get("SubState", "")
+    result = unit.get("Result", "")
+    last = (backoff or {}).get("last_exit") or {}
+    failures = int((backoff or {}).get("failures") or 0)
+    fresh = status is not None and is_fresh(status, started_at - 1.0)
+    s = status or {}
+    err = s.get("error") if fresh else None
+    reason = ""
+    if err:
+        reason = f"{err.get('kind', 'crash')}: {err.get('message', '')}".rstrip(": ")
+    elif last and last.get("reason") not in (None, "clean"):
+        reason = f"{last.get('reason')}: {last.get('message', '')}".rstrip(": ")
+    out = {"state": "", "reason": reason, "detail": "", "stalled": False}
+
+    if (
+        active in ("activating", "active")
+        and failures > 0
+        and (sub in ("auto-restart", "start-pre") or not fresh)
+    ):
+        out["state"] = "crash-looping"
+        out["detail"] = f"{failures} failed run(s) in a row; restarting with a growing delay"
+        return out
+    if active == "active" and not (fresh and s.get("phase") in ("training", "validating", "checkpointing")):
+        out["state"] = "starting"
+        out["detail"] = f"phase {s.get('phase')}" if fresh else "no status from this run yet"
+        return out
+    if active == "active":
+        out["state"] = "running"
+        interval = expected_update_interval(s)
+        silent = now - float(s.get("updated") or now)
+        if interval is not None and silent > max(STALL_FLOOR_S, STALL_FACTOR * interval):
+            out["stalled"] = True
+            out["detail"] = f"stalled: no step for {silent:.0f} s (expected about {interval:.0f} s)"
+        return out
+    if active == "activating":
+        out["state"] = "starting"
+        out["detail"] = f"unit {sub or 'activating'}"
+        return out
+    if active == "failed" or (active == "inactive" and result not in ("", "success")):
+        out["state"] = "failed"
+        if result == "start-limit-hit":
+            out["detail"] = f"gave up: the unit hit its start limit after {failures} failed run(s) in a row"
+        else:
+            out["detail"] = f"unit {active} (result {result or '?'})"
+        return out
+    if s.get("phase") == "done":
+        out["state"] = "finished"
+        out["detail"] = f"training finished at step {s.get('step')}"
+        return out
+    out["state"] = "stopped"
+    out["detail"] = f"unit {active or 'unknown'}" + (
+        f", last step {s.get('step')}" if s.get("step") is not None else ""
+    )
+    return out

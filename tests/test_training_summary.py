@@ -1,4 +1,4 @@
-"""The summary train.yml and status.yml print (filter training_summary)."""
+"""The summary train.yml and status.yml print (filter training_summary over train_report's result)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,21 @@ spec = importlib.util.spec_from_file_location(
 )
 summary = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summary)
+
+RUNNING = {
+    "phase": "training", "step": 40, "world_size": 2, "max_seq_len": 16384, "step_time_s": 4.0,
+    "tokens_per_s": 8252.0, "tokens_per_s_per_rank": 4126.0, "peak_mem_gb": 1.4, "mem_kind": "rss",
+    "loss": 3.2, "full_acc_0": 0.41, "eta_s": 3725, "last_checkpoint_step": 38, "last_checkpoint_time": 900.0,
+}  # fmt: skip
+
+
+def report(state: str, reason: str = "", detail: str = "", **extra) -> dict:
+    return {
+        "run": {"state": state, "reason": reason, "detail": detail, "stalled": extra.pop("stalled", False)},
+        "unit": extra.pop("unit", {"ActiveState": "active", "SubState": "running", "NRestarts": "0"}),
+        "status": extra.pop("status", RUNNING),
+        **extra,
+    }
 
 
 def test_doctests():
@@ -31,16 +46,62 @@ def test_starved_gpu_is_called_out():
             "starved": True,
         }
     ]
-    lines = summary.training_summary({}, {}, gpus)
+    lines = summary.training_summary(report("running"), gpus)
     assert "100% util at 250/600 W" in lines[-1] and "STARVED" in lines[-1]
 
 
-def test_no_status_yet_and_an_oom_are_readable():
+def test_a_failed_run_has_its_reason_and_no_rates_or_eta():
     lines = summary.training_summary(
-        {"phase": "failed", "error": {"kind": "oom", "message": "CUDA out of memory", "max_seq_len": 32768}},
-        {"ActiveState": "failed", "SubState": "failed", "NRestarts": "0"},
+        report(
+            "failed",
+            reason="oom: CUDA out of memory",
+            detail="unit failed (result exit-code)",
+            unit={"ActiveState": "failed", "SubState": "failed", "NRestarts": "0"},
+        ),
         [],
+        now=1000.0,
     )
-    assert lines[0].startswith("eagle3-train.service: failed (failed), restarts 0")
-    assert "last error (oom, max_seq_len 32768): CUDA out of memory" in lines
+    text = "\n".join(lines)
+    assert lines[0].startswith("state: failed (unit failed (result exit-code)); eagle3-train.service failed")
+    assert "reason: oom: CUDA out of memory" in lines
+    assert "tokens/s" not in text and "ETA" not in text and "s/step" not in text
+    assert "last checkpoint step 38 (1m40s ago)" in text
     assert lines[-1] == "GPUs: none visible (CPU workers)"
+
+
+def test_stopped_and_crash_looping_runs_show_no_rates():
+    for state in ("stopped", "crash-looping", "finished", "starting"):
+        text = "\n".join(summary.training_summary(report(state, reason="signal: killed by SIGKILL"), []))
+        assert f"state: {state}" in text and "tokens/s" not in text and "ETA" not in text
+
+
+def test_a_stalled_run_shows_no_eta():
+    lines = summary.training_summary(
+        report("running", detail="stalled: no step for 600 s (expected about 4 s)", stalled=True), []
+    )
+    assert "stalled: no step for 600 s (expected about 4 s)" in lines[0]
+    assert not any("ETA" in line for line in lines)
+
+
+def test_gpu_holders_outside_the_unit_are_named_with_user_and_command():
+    holder = {
+        "pid": 4242,
+        "name": "python3",
+        "user": "alice",
+        "paths": ["/dev/nvidia1"],
+        "cmdline": "python3 nb.py",
+    }
+    guard = {
+        "pid": 7,
+        "name": "nvidia-persistenced",
+        "user": "root",
+        "paths": ["/dev/nvidia0"],
+        "cmdline": "x",
+    }
+    lines = summary.training_summary(
+        report("running", foreign_holders=[holder], protected_holders=[guard]), []
+    )
+    assert (
+        "GPU held outside the unit: pid 4242 python3 (user alice): python3 nb.py holds /dev/nvidia1" in lines
+    )
+    assert any(line.startswith("GPU held by a protected process (never signalled): pid 7") for line in lines)

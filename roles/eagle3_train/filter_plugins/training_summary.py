@@ -24,44 +24,84 @@ def _duration(seconds) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
-def training_summary(
-    status: dict | None, unit: dict | None, gpus: list | None, unit_name: str = "eagle3-train.service"
-):
-    """Summary lines for train.yml and status.yml.
-
-    >>> training_summary({"phase": "training", "step": 12, "world_size": 2, "max_seq_len": 16384,
-    ...                   "step_time_s": 1.5, "tokens_per_s": 20000, "tokens_per_s_per_rank": 10000,
-    ...                   "peak_mem_gb": 1.4, "mem_kind": "rss", "loss": 3.2, "full_acc_0": 0.41, "eta_s": 3725},
-    ...                  {"ActiveState": "active", "SubState": "running", "NRestarts": "0"}, [])[1:4]
-    ['step 12 (epoch 0): 1.50 s/step (fetch ?, fwd ?, bwd ?, opt ?)', '20,000 tokens/s, 10,000 per worker; peak memory 1.40 GB (rss)', 'loss 3.2000, full_acc_0 0.410; ETA 1h02m']
+def _ago(seconds) -> str:
     """
-    s, u = status or {}, unit or {}
-    split = s.get("time_split") or {}
+    >>> _ago(75), _ago(7300)
+    ('1m15s ago', '2h01m ago')
+    """
+    try:
+        s = int(float(seconds))
+    except (TypeError, ValueError):
+        return "?"
+    return f"{s // 60}m{s % 60:02d}s ago" if s < 3600 else f"{_duration(s)} ago"
+
+
+def _holder(h: dict) -> str:
+    return f"pid {h.get('pid')} {h.get('name')} (user {h.get('user', '?')}): {h.get('cmdline', '')[:120]} holds {','.join(h.get('paths', []))}"
+
+
+def training_summary(
+    report: dict | None, gpus: list | None, unit_name: str = "eagle3-train.service", now=None
+):
+    """Summary lines for train.yml and status.yml, from train_report's result and gpu_facts.
+
+    Rates and ETA are shown only while the run is running: a stopped or failed run has none.
+
+    >>> report = {"run": {"state": "running", "reason": "", "detail": "", "stalled": False},
+    ...           "unit": {"ActiveState": "active", "SubState": "running", "NRestarts": "0"},
+    ...           "status": {"phase": "training", "step": 12, "world_size": 2, "max_seq_len": 16384,
+    ...                      "step_time_s": 1.5, "tokens_per_s": 20000, "tokens_per_s_per_rank": 10000,
+    ...                      "peak_mem_gb": 1.4, "mem_kind": "rss", "loss": 3.2, "full_acc_0": 0.41, "eta_s": 3725,
+    ...                      "resumed_from_step": 10, "last_checkpoint_step": 10, "last_checkpoint_time": 1000}}
+    >>> training_summary(report, [], now=1075)[:5]
+    ['state: running; eagle3-train.service active (running), restarts 0; 2 workers, max_seq_len 16384', 'step 12 (epoch 0), resumed from step 10; last checkpoint step 10 (1m15s ago)', '1.50 s/step (fetch ?, fwd ?, bwd ?, opt ?)', '20,000 tokens/s, 10,000 per worker; peak memory 1.40 GB (rss)', 'loss 3.2000, full_acc_0 0.410; ETA 1h02m']
+    >>> report["run"] = {"state": "failed", "reason": "oom: CUDA out of memory", "detail": "unit failed (result exit-code)"}
+    >>> training_summary(report, [], now=1075)[:3]
+    ['state: failed (unit failed (result exit-code)); eagle3-train.service active (running), restarts 0; 2 workers, max_seq_len 16384', 'reason: oom: CUDA out of memory', 'step 12 (epoch 0), resumed from step 10; last checkpoint step 10 (1m15s ago)']
+    """
+    import time
+
+    now = time.time() if now is None else now
+    r = report or {}
+    run, s, u = r.get("run") or {}, r.get("status") or {}, r.get("unit") or {}
+    state = run.get("state", "?")
+    detail = f" ({run['detail']})" if run.get("detail") else ""
     lines = [
-        f"{unit_name}: {u.get('ActiveState', '?')} ({u.get('SubState', '?')}), restarts {u.get('NRestarts', '?')}; "
-        f"{s.get('world_size', '?')} workers, max_seq_len {s.get('max_seq_len', '?')}, "
-        f"phase {s.get('phase', 'no status yet')}"
+        f"state: {state}{detail}; {unit_name} {u.get('ActiveState', '?')} ({u.get('SubState', '?')}), "
+        f"restarts {u.get('NRestarts', '?')}; {s.get('world_size', '?')} workers, max_seq_len {s.get('max_seq_len', '?')}"
     ]
+    if run.get("reason") and state != "running":
+        lines.append(f"reason: {run['reason']}")
     if "step" in s:
-        per_epoch = f", {s['steps_per_epoch']} steps/epoch" if s.get("steps_per_epoch") else ""
+        resumed = f", resumed from step {s['resumed_from_step']}" if s.get("resumed_from_step") else ""
+        ckpt = ""
+        if s.get("last_checkpoint_step") is not None:
+            when = f" ({_ago(now - s['last_checkpoint_time'])})" if s.get("last_checkpoint_time") else ""
+            ckpt = f"; last checkpoint step {s['last_checkpoint_step']}{when}"
+        lines.append(f"step {s['step']} (epoch {s.get('epoch', 0)}){resumed}{ckpt}")
+    if state == "running":
+        split = s.get("time_split") or {}
         lines.append(
-            f"step {s['step']} (epoch {s.get('epoch', 0)}{per_epoch}): {_f(s.get('step_time_s'), '.2f')} s/step "
-            f"(fetch {_f(split.get('fetch'), '.2f')}, fwd {_f(split.get('fwd'), '.2f')}, "
-            f"bwd {_f(split.get('bwd'), '.2f')}, opt {_f(split.get('opt'), '.2f')})"
+            f"{_f(s.get('step_time_s'), '.2f')} s/step (fetch {_f(split.get('fetch'), '.2f')}, "
+            f"fwd {_f(split.get('fwd'), '.2f')}, bwd {_f(split.get('bwd'), '.2f')}, opt {_f(split.get('opt'), '.2f')})"
         )
-    if "tokens_per_s" in s:
         lines.append(
-            f"{_f(s['tokens_per_s'], ',.0f')} tokens/s, {_f(s.get('tokens_per_s_per_rank'), ',.0f')} per worker; "
+            f"{_f(s.get('tokens_per_s'), ',.0f')} tokens/s, {_f(s.get('tokens_per_s_per_rank'), ',.0f')} per worker; "
             f"peak memory {_f(s.get('peak_mem_gb'), '.2f')} GB ({s.get('mem_kind', '?')})"
         )
-    if s.get("loss") is not None:
-        eta = f"; ETA {_duration(s['eta_s'])}" if s.get("eta_s") is not None else ""
-        lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
-    if s.get("error"):
-        err = s["error"]
-        lines.append(
-            f"last error ({err.get('kind', '?')}, max_seq_len {err.get('max_seq_len', '?')}): {err.get('message', '')}"
-        )
+        if s.get("loss") is not None:
+            eta = (
+                f"; ETA {_duration(s['eta_s'])}"
+                if s.get("eta_s") is not None and not run.get("stalled")
+                else ""
+            )
+            lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
+    elif s.get("loss") is not None:
+        lines.append(f"last loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}")
+    for h in r.get("foreign_holders") or []:
+        lines.append(f"GPU held outside the unit: {_holder(h)}")
+    for h in r.get("protected_holders") or []:
+        lines.append(f"GPU held by a protected process (never signalled): {_holder(h)}")
     if not gpus:
         lines.append("GPUs: none visible (CPU workers)")
     for g in gpus or []:

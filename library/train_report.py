@@ -1,0 +1,155 @@
+#!/usr/bin/python
+# Copyright: eagle3-pve contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Where the training run stands, as one state with its reason: read-only, for status.yml and train.yml."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: train_report
+short_description: Report the EAGLE-3 training run as one state with its reason
+description:
+  - Reads the trainer's C(status.json), the systemd unit, the unit's restart back-off record and the GPU device
+    holders, and classifies the run as one of C(running), C(starting), C(stopped), C(finished), C(failed) or
+    C(crash-looping), with the failure reason (the trainer's own error kind, else how systemd saw the exit, else
+    what the journal says: rendezvous, NCCL, signal).
+  - A run that is up but has not reported for several expected step intervals is reported as stalled.
+  - Lists processes outside the unit that hold a GPU device (by pid, user and command), protected ones apart.
+  - Changes nothing; the same in check mode.
+version_added: "0.2.0"
+author: eagle3-pve contributors
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+options:
+  unit:
+    description: The training unit.
+    type: str
+    default: eagle3-train.service
+  run_dir:
+    description: The trainer's run directory (C(status.json), C(restart-backoff.json)).
+    type: path
+    required: true
+  devices:
+    description: GPU device globs whose holders are listed.
+    type: list
+    elements: str
+    default: []
+  protect:
+    description: Process names (globs) that cleanup never signals; their holders are listed as protected.
+    type: list
+    elements: str
+    default: []
+  log_every:
+    description: The trainer's C(log_every) (status.json is rewritten once per logged step), for the stall bound.
+    type: int
+    default: 1
+"""
+
+EXAMPLES = r"""
+- name: Where the run stands
+  train_report:
+    run_dir: /var/lib/eagle3/run
+    devices: [/dev/nvidia0, /dev/nvidia1, /dev/nvidiactl]
+    protect: [nvidia-persistenced]
+  register: report
+"""
+
+RETURN = r"""
+run:
+  description: >-
+    {state, reason, detail, stalled}: state is running, starting, stopped, finished, failed or crash-looping;
+    reason the last failure (e.g. C(oom: CUDA out of memory)); detail what to look at.
+  type: dict
+  returned: always
+status:
+  description: The trainer's last status.json ({} when there is none).
+  type: dict
+  returned: always
+unit:
+  description: The unit's ActiveState, SubState, Result, NRestarts and ExecMainStatus.
+  type: dict
+  returned: always
+backoff:
+  description: The restart record (failures in a row, last exit with reason and message).
+  type: dict
+  returned: always
+status_age_s:
+  description: Seconds since the trainer last rewrote status.json (the target's clock), null without one.
+  type: int
+  returned: always
+foreign_holders:
+  description: Processes outside the unit holding a GPU device ({pid, name, user, paths, cmdline}).
+  type: list
+  elements: dict
+  returned: always
+protected_holders:
+  description: Protected processes holding a GPU device (never signalled by cleanup).
+  type: list
+  elements: dict
+  returned: always
+"""
+
+import os
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.procs import holders
+from ansible.module_utils.restart_backoff import read_state
+from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state
+
+BACKOFF_FILE = "restart-backoff.json"
+
+
+def started_at(unit: dict) -> float:
+    mono_us = int(unit.get("ExecMainStartTimestampMonotonic") or 0)
+    if not mono_us:
+        return 0.0
+    return time.time() - (time.monotonic() - mono_us / 1e6)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            unit=dict(type="str", default="eagle3-train.service"),
+            run_dir=dict(type="path", required=True),
+            devices=dict(type="list", elements="str", default=[]),
+            protect=dict(type="list", elements="str", default=[]),
+            log_every=dict(type="int", default=1),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    unit = unit_state(p["unit"])
+    status = read_status(status_path(p["run_dir"]))
+    backoff = read_state(os.path.join(p["run_dir"], BACKOFF_FILE))
+    run = run_state(
+        {**status, "log_every": status.get("log_every", p["log_every"])} if status else None,
+        unit,
+        backoff,
+        started_at(unit),
+        time.time(),
+    )
+    held = (
+        holders(p["devices"], exclude_unit=p["unit"], protect=p["protect"], include_protected=True)
+        if p["devices"]
+        else []
+    )
+    module.exit_json(
+        changed=False,
+        run=run,
+        status=status or {},
+        unit={k: unit.get(k) for k in ("ActiveState", "SubState", "Result", "NRestarts", "ExecMainStatus")},
+        backoff=backoff,
+        status_age_s=round(time.time() - float(status.get("updated") or 0)) if status else None,
+        foreign_holders=[h for h in held if not h["protected"]],
+        protected_holders=[h for h in held if h["protected"]],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""How a run is reported: one state with its reason (module_utils/train_status.run_state), the unit's growing
+restart delay and exit record (module_utils/restart_backoff, the unit's ExecStartPre/ExecStopPost), and the
+train_report module that puts them together on the target."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_train_control import run_module
+
+from module_utils import restart_backoff, train_status
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKOFF = ROOT / "module_utils" / "restart_backoff.py"
+
+
+def test_worked_examples_hold():
+    assert doctest.testmod(restart_backoff).failed == 0
+    assert doctest.testmod(train_status).failed == 0
+
+
+def post_stop(state: Path, status: Path, **env) -> subprocess.CompletedProcess:
+    """Run the script as systemd's ExecStopPost= does: SERVICE_RESULT/EXIT_CODE/EXIT_STATUS in the environment."""
+    return subprocess.run(
+        [
+            sys.executable,
+            BACKOFF,
+            "post-stop",
+            "--state",
+            state,
+            "--status",
+            status,
+            "--unit",
+            "no-such.service",
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_crash_loop_grows_the_delay_and_a_clean_exit_resets_it(tmp_path):
+    state, status = tmp_path / "restart-backoff.json", tmp_path / "status.json"
+    crash = {"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "1"}
+    delays = []
+    for _ in range(3):
+        assert post_stop(state, status, **crash).returncode == 0
+        data = json.loads(state.read_text())
+        delays.append(restart_backoff.delay_for(data["failures"]))
+    assert delays == [10.0, 30.0, 90.0]
+    assert data["last_exit"]["reason"] == "crash" and data["last_exit"]["exit_status"] == "1"
+    post_stop(state, status, SERVICE_RESULT="success", EXIT_CODE="exited", EXIT_STATUS="0")
+    assert json.loads(state.read_text())["failures"] == 0
+
+
+def test_the_trainers_own_error_names_the_exit(tmp_path):
+    state, status = tmp_path / "restart-backoff.json", tmp_path / "status.json"
+    restart_backoff.write_state(str(state), {"failures": 0, "started": time.time() - 5})
+    status.write_text(
+        json.dumps({"updated": time.time(), "error": {"kind": "oom", "message": "CUDA out of memory"}})
+    )
+    post_stop(state, status, SERVICE_RESULT="exit-code", EXIT_CODE="exited", EXIT_STATUS="3")
+    last = json.loads(state.read_text())["last_exit"]
+    assert (last["reason"], last["message"]) == ("oom", "CUDA out of memory")
+
+
+def test_a_killed_rank_is_named_by_its_signal(tmp_path):
+    state, status = tmp_path / "restart-backoff.json", tmp_path / "status.json"
+    post_stop(state, status, SERVICE_RESULT="signal", EXIT_CODE="killed", EXIT_STATUS="KILL")
+    assert json.loads(state.read_text())["last_exit"]["message"] == "killed by SIGKILL"
+
+
+def test_pre_start_waits_only_the_rest_of_the_delay(tmp_path):
+    state = tmp_path / "restart-backoff.json"
+    # Failure 1 ended 9.5 s ago: 0.5 s of its 10 s delay are left.
+    restart_backoff.write_state(
+        str(state), {"failures": 1, "last_exit": {"time": time.time() - 9.5, "reason": "crash"}}
+    )
+    began = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, BACKOFF, "pre-start", "--state", state], capture_output=True, text=True, timeout=60
+    )
+    waited = time.monotonic() - began
+    assert out.returncode == 0 and "restart back-off: failure 1 in a row" in out.stdout
+    assert 0.3 <= waited < 9  # the remaining half second, not the whole 10 s
+    assert json.loads(state.read_text())["started"] >= time.time() - 60
+
+
+def test_reset_forgets_the_failures(tmp_path):
+    state = tmp_path / "restart-backoff.json"
+    restart_backoff.write_state(
+        str(state), {"failures": 4, "last_exit": {"time": time.time(), "reason": "crash"}}
+    )
+    subprocess.run([sys.executable, BACKOFF, "reset", "--state", state], check=True, timeout=60)
+    assert restart_backoff.remaining_delay(restart_backoff.read_state(str(state)), time.time()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("unit", "status", "backoff", "state"),
+    [
+        (
+            {"ActiveState": "active", "SubState": "running"},
+            {"phase": "training", "updated": 100},
+            {},
+            "running",
+        ),
+        (
+            {"ActiveState": "active", "SubState": "running"},
+            {"phase": "starting", "updated": 100},
+            {},
+            "starting",
+        ),
+        ({"ActiveState": "activating", "SubState": "auto-restart"}, None, {"failures": 3}, "crash-looping"),
+        ({"ActiveState": "failed", "Result": "start-limit-hit"}, None, {"failures": 8}, "failed"),
+        ({"ActiveState": "failed", "Result": "exit-code"}, {"phase": "failed", "updated": 100}, {}, "failed"),
+        ({"ActiveState": "inactive", "Result": "success"}, {"phase": "done", "updated": 100}, {}, "finished"),
+        (
+            {"ActiveState": "inactive", "Result": "success"},
+            {"phase": "stopped", "updated": 100},
+            {},
+            "stopped",
+        ),
+        ({"ActiveState": "inactive", "Result": "success"}, None, {}, "stopped"),
+    ],
+)
+def test_one_state_per_situation(unit, status, backoff, state):
+    assert train_status.run_state(status, unit, backoff, started_at=50.0, now=110.0)["state"] == state
+
+
+def test_start_limit_says_it_gave_up_and_why():
+    run = train_status.run_state(
+        None,
+        {"ActiveState": "failed", "Result": "start-limit-hit"},
+        {"failures": 8, "last_exit": {"reason": "rendezvous", "message": "RendezvousTimeoutError"}},
+        started_at=0.0,
+        now=1.0,
+    )
+    assert run["detail"] == "gave up: the unit hit its start limit after 8 failed run(s) in a row"
+    assert run["reason"] == "rendezvous: RendezvousTimeoutError"
+
+
+@pytest.fixture
+def fake_systemd(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (tmp_path / "show").write_text(
+        "ActiveState=failed\nSubState=failed\nResult=start-limit-hit\nNRestarts=7\n"
+    )
+    (bindir / "systemctl").write_text(f"#!/bin/sh\ncat {tmp_path}/show\n")
+    (bindir / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_train_report_puts_unit_status_and_restart_record_together(fake_systemd, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "status.json").write_text(json.dumps({"phase": "failed", "step": 12, "updated": time.time()}))
+    restart_backoff.write_state(
+        str(run_dir / "restart-backoff.json"),
+        {"failures": 8, "last_exit": {"time": time.time(), "reason": "nccl", "message": "NCCL error"}},
+    )
+    res, rc = run_module("train_report", {"run_dir": str(run_dir)}, capsys)
+    assert rc == 0 and res["changed"] is False
+    assert res["run"]["state"] == "failed" and res["run"]["reason"] == "nccl: NCCL error"
+    assert res["status"]["step"] == 12 and res["unit"]["NRestarts"] == "7"
+    assert res["foreign_holders"] == [] and res["status_age_s"] <= 5
