@@ -4,7 +4,8 @@
                -> resume from the newest valid checkpoint
     each step  fetch one packed row per rank (prefetched) -> TTT forward -> backward -> clip -> AdamW -> scheduler
     boundary   one collective: stop flag (+ metrics at log steps) -> log -> validate -> checkpoint -> stop?
-    exit       0 done or stopped cleanly, 2 bad config/data, 3 out of memory, 1 anything else
+    exit       0 done or stopped cleanly, 2 bad config/data, 3 out of memory, 4 hang (watchdog), 1 anything else
+               (a full disk while checkpointing too: error kind disk_full, the previous checkpoints intact)
 
 Everything that can be checked without the GPU is checked before CUDA or the process group are touched, so
 bad input exits with code 2 before any GPU memory is taken.
@@ -34,7 +35,7 @@ from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
 from eagle3.config import TrainConfig, dump_config, load_config
 from eagle3.data import DatasetReader
-from eagle3.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_OOM, ConfigError, DataError
+from eagle3.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_OOM, ConfigError, DataError, DiskFullError
 from eagle3.metrics import (
     SCALAR_SUM_KEYS,
     TIMER_KEYS,
@@ -48,6 +49,7 @@ from eagle3.metrics import (
 from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
 from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
 from eagle3.standin import hold_standin_device
+from eagle3.watchdog import Watchdog, fault_hang_step, injected_hang
 
 
 class StopRequested:
@@ -146,6 +148,40 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def replan_on_resume(state: ckpt.TrainerState, changed: list[str], plan_len: int) -> str | None:
+    """Place a resumed state in the epoch plan of the current settings; returns the warning to log, if any.
+
+    `changed` lists the plan inputs that differ from the checkpoint's ("world_size 2 -> 1"); `plan_len` is the
+    length of the plan of `state.epoch` under the current settings. When that plan is shorter than the position
+    reached, epoch `state.epoch` is over and training continues with the next epoch from its start; otherwise
+    the rest of the same epoch is re-planned.
+
+    >>> s = ckpt.TrainerState(step=70, epoch=1, step_in_epoch=30, samples_seen=0, world_size=1, max_seq_len=512,
+    ...                       seed=0)
+    >>> print(replan_on_resume(s, ["world_size 1 -> 2"], plan_len=50))
+    warning: world_size 1 -> 2 since the checkpoint: the rest of epoch 1 is re-planned (from step 30 of 50)
+    >>> print(replan_on_resume(s, ["world_size 1 -> 2"], plan_len=20))  # doctest: +NORMALIZE_WHITESPACE
+    warning: world_size 1 -> 2 since the checkpoint: epoch 1 now has 20 steps and 30 were done, so the rest of
+    epoch 1 is skipped; training continues with epoch 2 from its start
+    >>> s.epoch, s.step_in_epoch
+    (2, 0)
+    """
+    what = f"warning: {', '.join(changed)} since the checkpoint"
+    if state.step_in_epoch >= plan_len:
+        done, epoch = state.step_in_epoch, state.epoch
+        state.epoch, state.step_in_epoch = epoch + 1, 0
+        if not changed:
+            return None
+        return (
+            f"{what}: epoch {epoch} now has {plan_len} steps and {done} were done, so the rest of epoch {epoch} "
+            f"is skipped; training continues with epoch {epoch + 1} from its start"
+        )
+    if changed and state.step_in_epoch:
+        # The epoch plan depends on these; continuing mid-epoch with a new plan may repeat or skip samples.
+        return f"{what}: the rest of epoch {state.epoch} is re-planned (from step {state.step_in_epoch} of {plan_len})"
+    return None
+
+
 class RowPrefetcher:
     """Reads the next step's row in one background thread while the current step computes.
 
@@ -180,6 +216,8 @@ class Trainer:
         self.files = files
         self.stop = stop
         self.started = time.time()
+        # main() replaces this with an armed one once the process group is up; off until then.
+        self.watchdog = Watchdog(floor_s=0, factor=1, first_step_s=1, checkpoint_s=1)
 
     def log(self, msg: str) -> None:
         if self.info.is_main:
@@ -315,9 +353,21 @@ class Trainer:
             step=0, epoch=0, step_in_epoch=0, samples_seen=0, world_size=self.info.world_size,
             max_seq_len=cfg.max_seq_len, seed=cfg.seed,
         )  # fmt: skip
-        path = ckpt.newest_valid(cfg.run_dir)
-        if path is None:
+        choice = None
+        if self.info.is_main:  # rank 0 verifies (hashes every file once) and tells the others
+            found, skipped = ckpt.choose_resume(cfg.run_dir, warn=self.log)
+            choice = (str(found) if found is not None else None, skipped)
+        found, skipped = dist_utils.broadcast_object(choice, self.info)
+        if skipped:
+            self.files.update_status(skipped_checkpoints=skipped)
+        if found is None:
+            if skipped:
+                self.log(
+                    f"warning: none of the {len(skipped)} checkpoints in {ckpt.checkpoints_dir(cfg.run_dir)} is "
+                    "usable (each was moved aside, see above): training starts from step 0"
+                )
             return fresh
+        path = Path(found)
         state = ckpt.read_state(path)
         weights = ckpt.load_model_state(path)
         own = self.model.state_dict()
@@ -350,17 +400,19 @@ class Trainer:
             )
             if getattr(state, k) != v
         ]
-        if changed and state.step_in_epoch:
-            # The epoch plan depends on these; continuing mid-epoch with a new plan may repeat or skip samples.
-            self.log(
-                f"warning: {', '.join(changed)} since the checkpoint: the rest of epoch {state.epoch} is re-planned"
-            )
-        if state.step_in_epoch >= len(self.plan(state.epoch)):
-            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        resumed_at = state.step
+        note = replan_on_resume(state, changed, len(self.plan(state.epoch)))
+        if note:
+            self.log(note)
         state.world_size, state.max_seq_len, state.seed = self.info.world_size, cfg.max_seq_len, cfg.seed
         self.log(
-            f"resumed from {path} at step {state.step} (epoch {state.epoch}, step {state.step_in_epoch} in epoch)"
+            f"resumed from step {resumed_at} (checkpoint {path}): next is epoch {state.epoch}, "
+            f"step {state.step_in_epoch} in the epoch"
         )
+        self.files.update_status(
+            resumed_from_step=resumed_at, resumed_from_checkpoint=str(path),
+            last_checkpoint_step=resumed_at, last_checkpoint_time=ckpt.checkpoint_time(path),
+        )  # fmt: skip
         return state
 
     # ----------------------------------------------------------------------------------- pieces
@@ -400,37 +452,105 @@ class Trainer:
         if self.info.device.type == "cuda":
             torch.cuda.synchronize(self.info.device)
 
-    def save_checkpoint(self, state: ckpt.TrainerState) -> Path | None:
-        self.files.update_status(phase="checkpointing")
+    def save_checkpoint(self, state: ckpt.TrainerState, best: bool = False) -> Path | None:
+        """Write a step checkpoint (every rank takes part) and, when `best`, publish it as checkpoints/best.
+
+        The ranks agree after each stage. A failed write removes the temporary directory and keeps the previous
+        checkpoints; a full disk raises DiskFullError on every rank (exit 1, status.json error kind disk_full:
+        training does not go on without checkpoints), any other failure is raised as it is.
+        """
+        with self.watchdog.phase(f"checkpoint at step {state.step}", self.cfg.watchdog_checkpoint_s):
+            return self._save_checkpoint(state, best)
+
+    def _save_checkpoint(self, state: ckpt.TrainerState, best: bool) -> Path | None:
+        main = self.info.is_main
         tmp = ckpt.tmp_dir_for(self.cfg.run_dir, state.step)
-        if self.info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist_utils.barrier(self.info)
-        ckpt.write_rng(tmp, self.info.rank)
+        failure = None
+        if main:
+            try:
+                self.files.update_status(phase="checkpointing")
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except Exception as e:
+                failure = e
+        self._agree_on_checkpoint(failure, state.step, tmp)  # also the barrier before the other ranks write
+        try:
+            ckpt.write_rng(tmp, self.info.rank)
+        except Exception as e:
+            failure = e
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         # Collectives under FSDP (every rank takes part); full tensors on the CPU of rank 0.
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state = get_model_state_dict(self.model, options=options)
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        if self.info.is_main:
-            ckpt.write_main(
-                tmp,
-                ckpt.trainable_state(self.model, model_state),
-                optimizer_state,
-                self.scheduler,
-                state,
-                self.cfg.to_dict(),
-            )
-        dist_utils.barrier(self.info)
+        if main and failure is None:
+            try:
+                ckpt.write_main(
+                    tmp,
+                    ckpt.trainable_state(self.model, model_state),
+                    optimizer_state,
+                    self.scheduler,
+                    state,
+                    self.cfg.to_dict(),
+                )
+            except Exception as e:
+                failure = e
+        del model_state, optimizer_state
+        self._agree_on_checkpoint(failure, state.step, tmp)
         final = None
-        if self.info.is_main:
-            final = ckpt.finalize(self.cfg.run_dir, state.step, self.cfg.keep_checkpoints)
-            self.files.update_status(last_checkpoint_step=state.step)
-            self.log(f"checkpoint: {final}")
-        dist_utils.barrier(self.info)
+        if main:
+            try:
+                final = ckpt.finalize(self.cfg.run_dir, state.step, self.cfg.keep_checkpoints)
+                self.files.update_status(
+                    last_checkpoint_step=state.step, last_checkpoint_time=ckpt.checkpoint_time(final)
+                )
+                self.log(f"checkpoint: {final}")
+                if best:
+                    ckpt.save_best(self.cfg.run_dir, final)
+            except Exception as e:
+                failure = e
+        self._agree_on_checkpoint(failure, state.step, tmp, written=final)
         return final
+
+    def _agree_on_checkpoint(
+        self, failure: Exception | None, step: int, tmp: Path, written: Path | None = None
+    ) -> None:
+        """One collective: did any rank fail (2: a full disk)? If so clean up, say so and raise on every rank."""
+        code = 0 if failure is None else 2 if ckpt.is_disk_full(failure) else 1
+        code = int(
+            dist_utils.all_reduce(torch.tensor([float(code)], dtype=torch.float64), self.info, "max").item()
+        )
+        if code == 0:
+            return
+        root = ckpt.checkpoints_dir(self.cfg.run_dir)
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(root / ".tmp_best", ignore_errors=True)
+        if code == 1:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"checkpoint at step {step} not written: another rank failed writing it")
+        if not self.info.is_main:
+            raise DiskFullError(f"checkpoint at step {step} not written: disk full (rank 0 names the path)")
+        valid = ckpt.list_valid(self.cfg.run_dir)
+        kept = f"previous checkpoint step {valid[-1][0]} kept" if valid else "no previous checkpoint"
+        if written is not None and valid and valid[-1][1] == written:
+            head = f"checkpoint at step {step} written, but best/ or status.json not updated"
+            kept = f"checkpoint step {step} kept"
+        else:
+            head = f"checkpoint at step {step} not written"
+        free = ""
+        with contextlib.suppress(OSError):
+            free_bytes = shutil.disk_usage(root).free
+            free = (
+                f" ({free_bytes / 2**30:.1f} GiB free now)"
+                if free_bytes >= 2**30
+                else f" ({free_bytes >> 20} MiB free now)"
+            )
+        message = f"{head}: disk full on {root}{free}; {kept}"
+        self.log(message)
+        raise DiskFullError(message) from failure
 
     @torch.no_grad()
     def validate(self, step: int) -> dict | None:
@@ -453,6 +573,7 @@ class Trainer:
             if stop:
                 aborted = True
                 break
+            self.watchdog.touch(f"validation at step {step}")
             ids = assignment[self.info.rank]
             if not ids and not self.sharded:
                 continue
@@ -509,9 +630,12 @@ class Trainer:
         self.model.train()
         stopped = False
         prefetch = RowPrefetcher(self)
+        hang_at = fault_hang_step(info.rank)  # tests only: EAGLE3_FAULT_HANG_AT_STEP
         while state.step < self.total_steps:
             plan = self.plan(state.epoch)
             sample_ids = plan.steps[state.step_in_epoch][info.rank]
+            if hang_at == state.step + 1:
+                injected_hang(hang_at)
 
             t0 = time.perf_counter()
             row, real = prefetch.get((state.epoch, state.step_in_epoch), sample_ids, plan.steps[0][0][0])
@@ -571,6 +695,8 @@ class Trainer:
             if is_log:
                 acc.reset()
                 window_start = time.perf_counter()
+            # Re-armed for the next step: max(floor, factor x median of the recent step times).
+            self.watchdog.step_done(time.perf_counter() - t0)
 
             last = state.step >= self.total_steps
             # A stop request skips validation: systemd gives the unit a bounded time to exit.
@@ -579,9 +705,7 @@ class Trainer:
             improved = self.note_validation(val, state)
             due_ckpt = last or stop_now or improved or state.step % cfg.checkpoint_every == 0
             if due_ckpt:
-                path = self.save_checkpoint(state)
-                if improved and path is not None:
-                    ckpt.save_best(cfg.run_dir, path)
+                self.save_checkpoint(state, best=improved)
             if due_val or due_ckpt:
                 self.files.update_status(phase="training")
             if stop_now:
@@ -672,6 +796,7 @@ class Trainer:
             tokens_per_s=record["tokens_per_s"], tokens_per_s_per_rank=record["tokens_per_s_per_rank"],
             step_time_s=step_time, time_split=record["time_split"], peak_mem_gb=record["peak_mem_gb"],
             mem_kind=mem_kind, eta_s=record["eta_s"],
+            watchdog_bound_s=round(self.watchdog.bound(), 1) if self.watchdog.enabled else None,
         )  # fmt: skip
         return stop_now
 
@@ -739,23 +864,30 @@ def main(argv: list[str]) -> int:
     files.status["max_seq_len"] = cfg.max_seq_len
 
     def record_error(kind: str, message: str) -> None:
-        # Any rank may record an OOM (the others only see a broken collective); rank 0 records the rest.
-        if rank != 0 and kind != "oom":
+        # Any rank may record an OOM or a hang (the others only see a broken or waiting collective); rank 0
+        # records the rest.
+        if rank != 0 and kind not in ("oom", "hang"):
             return
-        if rank == 0 and kind == "crash" and _recent_oom(files, since=started_at):
+        if kind in ("crash", "hang") and _recent_oom(files, since=started_at):
             return
         if rank != 0:  # keep rank 0's progress fields, add the error
             with contextlib.suppress(OSError, ValueError):
                 files.status.update(json.loads((files.run_dir / "status.json").read_text()))
         files.enabled = True
-        files.update_status(
-            phase="failed", error={"kind": kind, "message": message, "max_seq_len": cfg.max_seq_len}
-        )
+        try:
+            files.update_status(
+                phase="failed", error={"kind": kind, "message": message, "max_seq_len": cfg.max_seq_len}
+            )
+        except OSError as e:  # a full disk: the journal still has the message
+            print(
+                f"status.json not updated ({e.strerror or e}): {kind}: {message}", file=sys.stderr, flush=True
+            )
 
     started_at = time.time()
     stop = StopRequested(lambda name: _second_signal(files, name, rank))
     stop.install()
     info = None
+    watchdog = None
     try:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         if cfg.num_threads:
@@ -771,7 +903,13 @@ def main(argv: list[str]) -> int:
             files.update_status(phase="starting")
         trainer = Trainer(cfg, describe, files, stop)
         trainer.check_data()  # bad data exits 2 here, before CUDA or the process group take GPU memory
-        info = dist_utils.init(describe)
+        info = dist_utils.init(describe, timeout_s=cfg.collective_timeout_s)
+        # Every rank: from here on, no finished step within the bound ends the process with EXIT_HANG.
+        watchdog = Watchdog(
+            floor_s=cfg.watchdog_floor_s, factor=cfg.watchdog_factor, first_step_s=cfg.watchdog_first_step_s,
+            checkpoint_s=cfg.watchdog_checkpoint_s, on_hang=lambda message: record_error("hang", message),
+        ).start()  # fmt: skip
+        trainer.watchdog = watchdog
         apply_memory_limit(cfg.memory_limit_gb, info.device)
         if info.device.type == "cuda" and dist_utils.expandable_segments_active() is False:
             trainer.log(
@@ -783,6 +921,10 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         record_error("config", str(e))
         return EXIT_CONFIG
+    except DiskFullError as e:
+        print(f"disk full: {e}", file=sys.stderr, flush=True)
+        record_error("disk_full", str(e))
+        return EXIT_CRASH
     except BaseException as e:
         if isinstance(e, SystemExit | KeyboardInterrupt) and not is_oom(e):
             raise
@@ -800,9 +942,11 @@ def main(argv: list[str]) -> int:
             record_error("oom", message)
             return EXIT_OOM
         traceback.print_exc()
-        record_error("crash", f"{type(e).__name__}: {e}"[:2000])
+        record_error("disk_full" if ckpt.is_disk_full(e) else "crash", f"{type(e).__name__}: {e}"[:2000])
         return EXIT_CRASH
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         if info is not None:
             with contextlib.suppress(Exception):
                 dist_utils.shutdown(info)

@@ -1,0 +1,226 @@
+"""Resume after faults, as a user sees it: corrupt checkpoints are passed over (moved aside, one warning each), a full
+disk mid-checkpoint keeps the previous one and says so, status.json tells the truth after a resume, and a
+re-planned epoch is named correctly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from eagle3 import checkpoint as ckpt
+from eagle3.errors import EXIT_CRASH
+from eagle3.train import replan_on_resume
+from pipeline_support import (
+    TRAINING_ROOT,
+    read_samples,
+    read_status,
+    reap,
+    run_trainer,
+    synth_dataset,
+    trainer_env,
+    write_config,
+)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return synth_dataset(tmp_path_factory.getbasetemp())
+
+
+def _config(tmp_path, data, **values):
+    base = dict(
+        data_dir=str(data), run_dir=str(tmp_path / "run"), max_seq_len=512, ttt_steps=2, lr=3e-3,
+        warmup_steps=2, log_every=1, val_every=0, val_fraction=0.0, checkpoint_every=2, max_steps=6,
+        keep_checkpoints=3, num_threads=1, record_samples=True,
+    )  # fmt: skip
+    base.update(values)
+    return write_config(tmp_path / "train.yaml", **base)
+
+
+def _state(**values):
+    base = dict(step=70, epoch=1, step_in_epoch=30, samples_seen=0, world_size=1, max_seq_len=512, seed=0)
+    return ckpt.TrainerState(**{**base, **values})
+
+
+# ------------------------------------------------------------------------------------------ the re-plan warning
+def test_replan_mid_epoch_names_the_epoch_that_continues():
+    state = _state()
+    note = replan_on_resume(state, ["world_size 1 -> 2"], plan_len=50)
+    assert note == (
+        "warning: world_size 1 -> 2 since the checkpoint: the rest of epoch 1 is re-planned (from step 30 of 50)"
+    )
+    assert (state.epoch, state.step_in_epoch) == (1, 30)
+
+
+def test_replan_past_the_end_of_a_shorter_plan_names_the_skipped_epoch_and_the_next():
+    # The old warning said "the rest of epoch 1 is re-planned" and then continued with epoch 2.
+    state = _state()
+    note = replan_on_resume(state, ["max_seq_len 512 -> 1024"], plan_len=20)
+    assert (state.epoch, state.step_in_epoch) == (2, 0)
+    assert "epoch 1 now has 20 steps and 30 were done" in note
+    assert "the rest of epoch 1 is skipped" in note and "continues with epoch 2 from its start" in note
+    assert "re-planned" not in note
+
+
+def test_no_warning_without_a_change_or_at_an_epoch_start():
+    assert replan_on_resume(_state(), [], plan_len=50) is None
+    assert replan_on_resume(_state(step_in_epoch=0), ["seed 0 -> 1"], plan_len=50) is None
+
+
+# ------------------------------------------------------------------------------------------ corrupt checkpoints
+@pytest.mark.slow
+def test_corrupt_checkpoints_are_passed_over_and_status_tells_the_truth(tmp_path, data):
+    cfg = _config(tmp_path, data)
+    run = tmp_path / "run"
+    root = ckpt.checkpoints_dir(run)
+    assert run_trainer(["train", "--config", str(cfg)], tmp_path / "a.txt", timeout=180) == 0
+    assert [s for s, _ in ckpt.list_valid(run)] == [2, 4, 6]
+    data6 = (root / "step_00000006" / "model.safetensors").read_bytes()
+    (root / "step_00000006" / "model.safetensors").write_bytes(data6[: len(data6) // 2])  # truncated
+    size4 = (root / "step_00000004" / "model.safetensors").stat().st_size
+    (root / "step_00000004" / "model.safetensors").write_bytes(b"\0" * size4)  # zero-filled
+
+    # Restart for two more steps: resumes from step 2, with one warning per skipped checkpoint.
+    log = tmp_path / "b.txt"
+    assert run_trainer(["train", "--config", str(cfg), "--max-steps", "8"], log, timeout=180) == 0
+    text = log.read_text()
+    warnings = [line for line in text.splitlines() if line.startswith("warning: checkpoint ")]
+    assert len(warnings) == 2, text
+    assert str(root / "step_00000006") in warnings[0] and "truncated" in warnings[0]
+    assert str(root / "step_00000004") in warnings[1] and "sha256" in warnings[1]
+    assert all("moved aside to" in w for w in warnings)
+    assert f"resumed from step 2 (checkpoint {root / 'step_00000002'})" in text
+    status = read_status(run)
+    assert status["phase"] == "done" and status["resumed_from_step"] == 2
+    assert status["resumed_from_checkpoint"] == str(root / "step_00000002")
+    assert [s["name"] for s in status["skipped_checkpoints"]] == ["step_00000006", "step_00000004"]
+    assert status["last_checkpoint_step"] == 8
+    assert (root / "step_00000006.corrupt").is_dir() and (root / "step_00000004.corrupt").is_dir()
+    steps = [r["step"] for r in read_samples(run)]
+    assert steps == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 7, 8]  # steps 3-6 ran again, from the same data order
+
+    # A restart of the finished run: nothing to train, and status.json still knows its last checkpoint.
+    assert (
+        run_trainer(["train", "--config", str(cfg), "--max-steps", "8"], tmp_path / "c.txt", timeout=180) == 0
+    )
+    status = read_status(run)
+    manifest = json.loads((root / "step_00000008" / ckpt.MARKER).read_text())
+    assert status["phase"] == "done" and status["step"] == 8 and status["resumed_from_step"] == 8
+    assert status["last_checkpoint_step"] == 8 and status["last_checkpoint_time"] == manifest["time"]
+    assert status["skipped_checkpoints"] == []
+
+    # Every checkpoint corrupt: a fresh start (decided: the run goes on; the corrupt ones stay aside).
+    for _step, path in ckpt.list_valid(run):
+        (path / "optimizer.pt").write_bytes(b"\0" * (path / "optimizer.pt").stat().st_size)
+    log = tmp_path / "d.txt"
+    assert run_trainer(["train", "--config", str(cfg), "--max-steps", "2"], log, timeout=180) == 0
+    text = log.read_text()
+    assert text.count("warning: checkpoint ") == 3
+    assert "none of the 3 checkpoints" in text and "training starts from step 0" in text
+    status = read_status(run)
+    assert status["resumed_from_step"] is None and status["step"] == 2 and status["last_checkpoint_step"] == 2
+    assert len(status["skipped_checkpoints"]) == 3
+    assert len([p for p in root.iterdir() if ckpt.CORRUPT_SUFFIX in p.name]) == 5
+
+
+# ------------------------------------------------------------------------------------------ a full disk
+# The trainer in a subprocess, with safetensors' writer failing on its second checkpoint: half the file is
+# written, then ENOSPC, as a disk that fills up during the save.
+FULL_DISK_DRIVER = """
+import errno, sys
+from eagle3 import checkpoint as ckpt
+from eagle3.train import main
+
+real = ckpt.save_file
+calls = []
+
+def save_file(tensors, filename, *args, **kwargs):
+    calls.append(filename)
+    if len(calls) == 2:
+        with open(filename, "wb") as f:
+            f.write(b"\\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+    return real(tensors, filename, *args, **kwargs)
+
+ckpt.save_file = save_file
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one_and_exits_1(tmp_path, data):
+    cfg = _config(tmp_path, data)
+    run = tmp_path / "run"
+    root = ckpt.checkpoints_dir(run)
+    log = tmp_path / "full.txt"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", FULL_DISK_DRIVER, "--config", str(cfg)], cwd=TRAINING_ROOT, env=trainer_env(),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        rc = proc.wait(timeout=180)
+    finally:
+        reap(proc)
+    text = log.read_text()
+    assert rc == EXIT_CRASH, text
+    line = f"checkpoint at step 4 not written: disk full on {root}"
+    assert line in text and "previous checkpoint step 2 kept" in text
+    assert "Traceback" not in text  # a clear line, not a stack trace
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]  # the partial directory is gone
+    assert ckpt.verify(root / "step_00000002") is None
+    status = read_status(run)
+    assert status["phase"] == "failed" and status["error"]["kind"] == "disk_full"
+    assert line in status["error"]["message"] and status["last_checkpoint_step"] == 2
+
+    # Space again: the restart resumes from the kept checkpoint and finishes.
+    assert run_trainer(["train", "--config", str(cfg)], tmp_path / "again.txt", timeout=180) == 0
+    status = read_status(run)
+    assert status["phase"] == "done" and status["resumed_from_step"] == 2 and status["error"] is None
+
+
+def _can_mount_private_tmpfs(where) -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {where}"],
+        capture_output=True,
+        timeout=30,
+    )
+    return probe.returncode == 0
+
+
+def test_a_real_full_disk_takes_the_same_path(tmp_path, data):
+    """The run directory on a 1.6 MB tmpfs (private to the trainer's mount namespace, gone when it exits): the
+    first checkpoint (~1 MB) fits, the second runs out of space inside torch.save."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if not _can_mount_private_tmpfs(small):
+        pytest.skip("needs root and a private mount namespace (unshare -m) for a small tmpfs")
+    cfg = _config(tmp_path, data, run_dir=str(small / "run"), record_samples=False)
+    out = tmp_path / "copied"
+    log = tmp_path / "log.txt"
+    script = (
+        f"mount -t tmpfs -o size=1600k tmpfs {small} && {sys.executable} -m eagle3 train --config {cfg} "
+        f"> {log} 2>&1; rc=$?; cp -r {small / 'run'} {out}; exit $rc"
+    )
+    proc = subprocess.Popen(
+        ["unshare", "-m", "sh", "-c", script], cwd=TRAINING_ROOT, env=trainer_env(), start_new_session=True
+    )
+    try:
+        rc = proc.wait(timeout=180)
+    finally:
+        reap(proc)
+    text = log.read_text()
+    assert rc == EXIT_CRASH, text
+    root = ckpt.checkpoints_dir(small / "run")
+    assert f"checkpoint at step 4 not written: disk full on {root}" in text, text
+    assert "previous checkpoint step 2 kept" in text
+    assert sorted(p.name for p in ckpt.checkpoints_dir(out).iterdir()) == ["step_00000002"]
+    assert ckpt.verify(ckpt.checkpoints_dir(out) / "step_00000002") is None
+    error = read_status(out)["error"]
+    assert error["kind"] == "disk_full" and "previous checkpoint step 2 kept" in error["message"]
