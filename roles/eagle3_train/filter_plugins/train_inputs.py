@@ -25,8 +25,9 @@ _BOOL_TRUE = {"true", "yes", "on", "1"}  # exactly what ansible.builtin.bool acc
 _BOOL_FALSE = {"false", "no", "off", "0"}
 _BOOL_ALLOWED = "true or false (also yes/no, on/off, 1/0, any case)"
 
-# name -> (kind, constraints). Kinds: seq_len, bool, int, float, nproc, abspath, str, str_list, dict.
-# int/float: "min"/"max" inclusive, "below" exclusive. dict: "forbid" keys that the role sets itself.
+# name -> (kind, constraints). Kinds: seq_len, bool, int, float, nproc, abspath, str, str_list, int_list, dict.
+# int/float/int_list: "min"/"max" inclusive, "below" exclusive. dict: "forbid" keys that the role sets itself.
+# tests/test_train_validation.py holds this table, defaults/main.yml and meta/argument_specs.yml to the same names.
 VARIABLES: dict[str, dict] = {
     "eagle3_train_max_seq_len": {"kind": "seq_len"},
     "eagle3_train_allow_unplanned_seq_len": {"kind": "bool"},
@@ -53,6 +54,9 @@ VARIABLES: dict[str, dict] = {
     "eagle3_train_stall_timeout": {"kind": "int", "min": 1},
     "eagle3_train_stop_timeout": {"kind": "int", "min": 1},
     "eagle3_train_restart_sec": {"kind": "int", "min": 0},
+    "eagle3_train_restart_delays": {"kind": "int_list", "min": 0},
+    "eagle3_train_restart_limit": {"kind": "int", "min": 1},
+    "eagle3_train_enabled": {"kind": "bool"},
     "eagle3_train_lock_wait": {"kind": "int", "min": 0},
 }
 
@@ -211,6 +215,13 @@ def check(name: str, value, spec: dict) -> str | None:
                 f"{name}={show(value)} is not a list of strings; allowed: a list such as "
                 f'["--num-samples", "256"] (on the command line: -e \'{{"{name}": [...]}}\')'
             )
+    elif kind == "int_list":
+        numbers = [as_int(v) for v in value] if isinstance(value, list) else [None]
+        allowed = f"a non-empty list of {_range_text(spec, 'whole numbers')}, e.g. [10, 30, 90]"
+        if not numbers or any(n is None for n in numbers):
+            return f"{name}={show(value)} is not a list of whole numbers; allowed: {allowed}"
+        if any(n < spec.get("min", n) or n > spec.get("max", n) for n in numbers):
+            return f"{name}={show(value)} has a number out of range; allowed: {allowed}"
     elif kind == "dict":
         if not isinstance(value, dict):
             return (
@@ -229,12 +240,13 @@ def check(name: str, value, spec: dict) -> str | None:
     return None
 
 
-def train_input_errors(values: dict, aliases: dict | None = None) -> list[str]:
+def train_input_errors(values: dict, aliases: dict | None = None, known: list | None = None) -> list[str]:
     """Every problem with the role's variables, in the table's order, then the unknown names.
 
     `values`: the variables whose names start with eagle3_train_ (validate.yml collects them with the
     varnames lookup, so a mistyped name shows up here). `aliases`: the name to report instead, when the user
-    set a short form (max_seq_len for eagle3_train_max_seq_len).
+    set a short form (max_seq_len for eagle3_train_max_seq_len). `known`: more names that are the role's (those of
+    defaults/main.yml: a variable added there before this table learns it is not called a typo).
 
     >>> train_input_errors({"eagle3_train_cpu_workers": "0", "eagle3_train_venv_provided": "no"})
     ['eagle3_train_cpu_workers=0 is out of range; allowed: a whole number >= 1']
@@ -250,7 +262,7 @@ def train_input_errors(values: dict, aliases: dict | None = None) -> list[str]:
             problem = check(aliases.get(name, name), values[name], spec)
             if problem:
                 errors.append(problem)
-    for name in sorted(set(values) - set(VARIABLES)):
+    for name in sorted(set(values) - set(VARIABLES) - set(known or ())):
         if not name.startswith(PREFIX) or name.startswith(PREFIX + "_"):
             continue  # not the role's (eagle3_train__* are the role's own facts)
         close = difflib.get_close_matches(name, list(VARIABLES), n=1, cutoff=0.8)

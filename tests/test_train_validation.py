@@ -1,0 +1,370 @@
+"""The eagle3_train role's input checks (filter_plugins/train_inputs.py) and the memory planner's verdict on an
+explicit max_seq_len (tasks/plan.yml), without a CT.
+
+The playbook-level cases (train.yml against a missing CT) are in test_playbook_inputs.py; here: the table itself
+(every variable of defaults/main.yml and meta/argument_specs.yml is in it, every default passes it, each kind
+refuses what it must with the variable, the value and what is allowed) and plan.yml run on this machine with the
+real planner from the training venv, the way deploy.yml includes it on the target.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLE = ROOT / "roles" / "eagle3_train"
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+TRAIN_PYTHON = ROOT / ".venv-train" / "bin" / "python"
+
+spec = importlib.util.spec_from_file_location("train_inputs", ROLE / "filter_plugins" / "train_inputs.py")
+ti = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ti)
+
+
+def defaults() -> dict:
+    return yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+
+
+def test_doctests():
+    assert doctest.testmod(ti).failed == 0
+
+
+def test_the_table_knows_exactly_the_role_variables():
+    specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"][
+        "options"
+    ]
+    assert set(ti.VARIABLES) == set(defaults()), "defaults/main.yml and the table differ"
+    assert set(ti.VARIABLES) == set(specs), "meta/argument_specs.yml and the table differ"
+
+
+def test_every_default_passes():
+    values = {
+        **defaults(),
+        "eagle3_train_max_seq_len": "16384",
+    }  # the default templates max_seq_len | default(16384)
+    values["eagle3_train_venv"] = "/opt/eagle3/venv"  # "{{ eagle3_train_prefix }}/venv"
+    assert ti.train_input_errors(values) == []
+
+
+BOOL_VARS = [n for n, s in ti.VARIABLES.items() if s["kind"] == "bool"]
+
+
+@pytest.mark.parametrize("name", BOOL_VARS)
+@pytest.mark.parametrize(
+    "value", ["true", "false", "True", "FALSE", "yes", "No", "on", "OFF", "1", "0", True, False, 1, 0]
+)
+def test_boolean_strings_are_accepted(name, value):
+    assert ti.train_input_errors({name: value}) == []
+
+
+@pytest.mark.parametrize("name", BOOL_VARS)
+@pytest.mark.parametrize("value", ["maybe", "", " true", "2", 2, None, [], "y"])
+def test_non_booleans_are_refused(name, value):
+    (error,) = ti.train_input_errors({name: value})
+    assert error.startswith(f"{name}={ti.show(value)} is not a boolean; allowed: true or false")
+
+
+# Bad values per kind: (value, what the line must say after "name=value ").
+BAD = {
+    "int": [("abc", "is not a whole number"), ("1.5", "is not a whole number"), (True, "is not a whole number"),
+            ("-7", "is out of range"), (None, "is not a whole number")],
+    "float": [("lots", "is not a number"), ("nan", "is not a number"), (False, "is not a number"),
+              ("-1", "is out of range")],
+    "abspath": [("relative/dir", "is not an absolute path"), ("", "is not an absolute path"),
+                (5, "is not an absolute path"), ("~/x", "is not an absolute path")],
+    "str": [("", "is empty or not a string"), ("  ", "is empty or not a string"), (3, "is empty or not a string")],
+    "str_list": [("--a b", "is not a list of strings"), ({"a": 1}, "is not a list of strings"),
+                 ([["x"]], "is not a list of strings")],
+    "int_list": [("10,30", "is not a list of whole numbers"), ([], "is not a list of whole numbers"),
+                 ([10, "x"], "is not a list of whole numbers"), ([10, -1], "has a number out of range")],
+    "dict": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping")],
+    "nproc": [("0", "is not a worker count"), ("many", "is not a worker count"), (-2, "is not a worker count")],
+    "seq_len": [("1000", "is not a multiple of 128"), ("0", "is neither a positive multiple of 128 nor"),
+                ("big", "is neither"), ("-128", "is neither"), ("16384.0", "is neither")],
+}  # fmt: skip
+CASES = [
+    (name, value, says)
+    for name, entry in ti.VARIABLES.items()
+    if entry["kind"] != "bool"
+    for value, says in BAD[entry["kind"]]
+]
+
+
+@pytest.mark.parametrize(("name", "value", "says"), CASES)
+def test_each_bad_value_names_the_variable_the_value_and_what_is_allowed(name, value, says):
+    errors = ti.train_input_errors({name: value})
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"{name}={ti.show(value)} {says}"), errors[0]
+    if ti.VARIABLES[name]["kind"] == "seq_len":
+        assert "128" in errors[0] and "auto" in errors[0]
+    else:
+        assert "; allowed: " in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("eagle3_train_plan_margin", "1"),
+        ("eagle3_train_plan_margin", 0.999),
+        ("eagle3_train_rdzv_port", "65536"),
+        ("eagle3_train_rdzv_port", 0),
+        ("eagle3_train_restart_sec", -1),
+        ("eagle3_train_cpu_workers", "0"),
+    ],
+)
+def test_ranges(name, value):
+    errors = ti.train_input_errors({name: value})
+    if name == "eagle3_train_plan_margin" and value == 0.999:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and f"{name}={ti.show(value)} is out of range; allowed:" in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("eagle3_train_cpu_workers", " 4 "),
+        ("eagle3_train_nproc", "AUTO"),
+        ("eagle3_train_nproc", "8"),
+        ("eagle3_train_plan_memory_gb", "0"),
+        ("eagle3_train_plan_memory_gb", 95.5),
+        ("eagle3_train_plan_margin", "0.25"),
+        ("eagle3_train_max_seq_len", " Auto "),
+        ("eagle3_train_max_seq_len", 16384),
+        ("eagle3_train_restart_delays", ["10", 30]),
+        ("eagle3_train_synth_args", ["--num-samples", 8]),
+    ],
+)
+def test_good_values_pass(name, value):
+    assert ti.train_input_errors({name: value}) == []
+
+
+def test_the_role_keys_of_the_trainer_config_are_refused_with_where_they_go():
+    (error,) = ti.train_input_errors({"eagle3_train_config_overrides": {"data_dir": "/x", "lr": 1}})
+    assert error.startswith("eagle3_train_config_overrides sets data_dir=/x, which the role sets itself")
+    assert "set eagle3_train_data_dir" in error
+
+
+def test_unknown_names_are_typos_unless_the_defaults_know_them():
+    values = {
+        "eagle3_train_min_step": 3,
+        "eagle3_train_brand_new": 1,
+        "eagle3_train__msl": "auto",
+        "other": 1,
+    }
+    errors = ti.train_input_errors(values, known=["eagle3_train_brand_new"])
+    assert errors == [
+        "eagle3_train_min_step=3 is not a variable of the eagle3_train role; did you mean eagle3_train_min_steps?"
+    ]
+
+
+def test_max_seq_len_is_reported_under_the_name_the_user_set():
+    (error,) = ti.train_input_errors(
+        {"eagle3_train_max_seq_len": "24000"}, {"eagle3_train_max_seq_len": "max_seq_len"}
+    )
+    assert error.startswith("max_seq_len=24000 is not a multiple of 128") and "try 23936 or 24064" in error
+    (error,) = ti.train_input_errors({"eagle3_train_max_seq_len": "x"})
+    assert (
+        error.startswith("eagle3_train_max_seq_len=x is neither")
+        and "-e eagle3_train_max_seq_len=auto" in error
+    )
+
+
+# ------------------------------------------------------------------------------ the planner's verdict (seq_len_refusal)
+
+PLAN = {
+    "max_seq_len": 20096,
+    "predicted_gb": 2.249,
+    "memory_gb": 2.5,
+    "margin": 0.1,
+    "budget_gb": 2.25,
+    "static_gb": 1.002,
+    "world_size": 2,
+    "source": "analytic",
+    "table": [{"max_seq_len": 32768, "predicted_gb": 3.5, "fits": False}],
+}
+
+
+@pytest.mark.parametrize("length", [128, 16384, "20096"])
+def test_a_length_up_to_the_largest_fitting_one_runs(length):
+    assert ti.seq_len_refusal(PLAN, length) == ""
+
+
+def test_a_length_above_the_largest_fitting_one_is_refused_with_that_length_and_the_memory():
+    msg = " ".join(ti.seq_len_refusal(PLAN, "32768", "the smallest GPU (NVIDIA H200, 143771 MiB)").split())
+    assert msg.startswith(
+        "max_seq_len=32768 does not fit: the memory planner predicts 3.5 GiB per worker at 32768"
+    )
+    assert (
+        "against a budget of 2.25 GiB (2.5 GiB per worker from the smallest GPU (NVIDIA H200, 143771 MiB)"
+        in msg
+    )
+    assert "less the 10% margin of eagle3_train_plan_margin; 2 workers; analytic model)" in msg
+    assert "The largest max_seq_len that fits is 20096 (predicted 2.25 GiB)" in msg
+    assert "-e max_seq_len=20096" in msg and "-e eagle3_train_allow_unplanned_seq_len=true" in msg
+    # Without the requested length in the table (an older planner), the verdict still stands.
+    assert "finds that 32768 needs more" in ti.seq_len_refusal({**PLAN, "table": []}, 32768)
+
+
+# ------------------------------------------------------------------------------ plan.yml with the real planner
+
+PLAY = """\
+- name: plan.yml as deploy.yml includes it, on this machine
+  hosts: target
+  gather_facts: false
+  tasks:
+    - name: The planner's task file
+      ansible.builtin.include_role:
+        name: eagle3_train
+        tasks_from: plan.yml
+"""
+
+
+def local_budget() -> float:
+    """The local inventory's planner budget: the demo's max_seq_len=16384 must fit it."""
+    return yaml.safe_load((ROOT / "inventory/local/group_vars/training.yml").read_text())[
+        "eagle3_train_plan_memory_gb"
+    ]
+
+
+@pytest.fixture(scope="module")
+def planner_target(tmp_path_factory):
+    if not TRAIN_PYTHON.exists():
+        pytest.skip("needs the training venv (.venv-train: scripts/setup.sh)")
+    base = tmp_path_factory.mktemp("plan")
+    (base / "prefix").mkdir()
+    (base / "prefix" / "src").symlink_to(ROOT / "training")
+    (base / "etc").mkdir()
+    synth = [str(a) for a in defaults()["eagle3_train_synth_args"]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
+    made = subprocess.run(
+        [str(TRAIN_PYTHON), "-m", "eagle3", "synth", str(base / "data"), *synth],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"eagle3 synth does not run here: {made.stderr[-500:]}")
+    (base / "play.yml").write_text(PLAY)
+    variables = {
+        "eagle3_train__nproc": 2,  # deploy.yml decides it: the local CT's two CPU workers
+        "gpu_cleanup_unit": "eagle3-train.service",
+        "eagle3_train_prefix": str(base / "prefix"),
+        "eagle3_train_venv": str(ROOT / ".venv-train"),
+        "eagle3_train_config_dir": str(base / "etc"),
+        "eagle3_train_data_dir": str(base / "data"),
+        "eagle3_train_run_dir": str(base / "run"),
+        "eagle3_train_config_overrides": {"num_threads": 1, "epochs": 1000},  # as inventory/local
+    }
+    (base / "hosts.yml").write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "hosts": {
+                        "target": {
+                            "ansible_connection": "local",
+                            "ansible_python_interpreter": sys.executable,
+                            **variables,
+                        }
+                    }
+                }
+            }
+        )
+    )
+    return base
+
+
+def plan(base: Path, msl: str, *extra: str, path_prefix: str = "") -> tuple[int, str]:
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "PATH": path_prefix + os.environ["PATH"],
+    }
+    args = [str(ANSIBLE_PLAYBOOK), "-i", str(base / "hosts.yml"), str(base / "play.yml")]
+    for e in (f"eagle3_train__msl={msl}", *extra):
+        args += ["-e", e]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    return proc.returncode, " ".join(proc.stdout.split())
+
+
+def test_planner_refuses_a_length_above_the_largest_that_fits(planner_target):
+    rc, out = plan(planner_target, "65536", f"eagle3_train_plan_memory_gb={local_budget()}")
+    assert rc == 2, out[-3000:]
+    m = re.search(r"The largest max_seq_len that fits is (\d+) \(predicted ([0-9.]+) GiB\)", out)
+    assert m, out[-3000:]
+    largest = int(m.group(1))
+    assert largest % 128 == 0 and 16384 <= largest < 65536
+    assert "max_seq_len=65536 does not fit: the memory planner predicts" in out
+    assert f"({local_budget():g} GiB per worker from eagle3_train_plan_memory_gb, less the 10% margin" in out
+    assert f"-e max_seq_len={largest}" in out and "The service was not touched." in out
+
+    # The largest length it named runs, and so does the demo's 16384 with the local inventory's budget.
+    for ok in (str(largest), "16384"):
+        rc, out = plan(planner_target, ok, f"eagle3_train_plan_memory_gb={local_budget()}")
+        assert rc == 0, out[-3000:]
+        assert f"max_seq_len={ok} fits (the largest that fits: {largest})" in out
+
+
+def test_an_expert_can_run_an_unplanned_length(planner_target):
+    rc, out = plan(
+        planner_target,
+        "65536",
+        "eagle3_train_plan_memory_gb=1.6",
+        "eagle3_train_allow_unplanned_seq_len=True",
+    )
+    assert rc == 0, out[-3000:]
+    assert (
+        "max_seq_len=65536 is not checked against memory: eagle3_train_allow_unplanned_seq_len is true" in out
+    )
+
+
+def test_auto_picks_the_largest_that_fits(planner_target):
+    rc, out = plan(planner_target, "auto", f"eagle3_train_plan_memory_gb={local_budget()}")
+    assert rc == 0, out[-3000:]
+    assert re.search(r"max_seq_len=auto -> \d+: predicted peak", out), out[-3000:]
+
+
+def test_without_gpu_or_budget_an_explicit_length_is_not_bounded_and_auto_fails(planner_target):
+    rc, out = plan(planner_target, "16384")
+    assert rc == 0, out[-3000:]
+    assert "max_seq_len=16384 is not checked against memory: no GPU on target" in out
+    rc, out = plan(planner_target, "auto")
+    assert rc == 2 and "max_seq_len=auto needs the memory per worker: target has no GPU" in out, out[-3000:]
+
+
+def test_zero_budget_means_the_smallest_gpu(planner_target):
+    # The fake nvidia-smi reports two 97887 MiB GPUs; the drafter is tiny, so 65536 fits them.
+    rc, out = plan(planner_target, "65536", path_prefix=f"{ROOT / 'tests' / 'fakebin'}:")
+    assert rc == 0, out[-3000:]
+    assert "of 95.59 GiB per worker (the smallest GPU (NVIDIA RTX PRO 6000 Blackwell, 97887 MiB))" in out
+
+
+def test_planner_json_has_what_the_verdict_reads(planner_target):
+    """The fields seq_len_refusal reads come from `eagle3 plan --json --lengths N` (eagle3/plan.py)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
+    cfg = planner_target / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"max_seq_len": 128, "data_dir": str(planner_target / "data"), "num_threads": 1,
+                                   "run_dir": str(planner_target / "run")}))  # fmt: skip
+    proc = subprocess.run(
+        [str(TRAIN_PYTHON), "-m", "eagle3", "plan", "--json", "--config", str(cfg), "--world-size", "2",
+         "--memory-gb", "1.6", "--lengths", "65536"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert {"max_seq_len", "predicted_gb", "memory_gb", "margin", "budget_gb", "world_size", "source"} <= set(
+        result
+    )
+    assert result["table"] == [
+        {"max_seq_len": 65536, "predicted_gb": result["table"][0]["predicted_gb"], "fits": False}
+    ]
+    assert ti.seq_len_refusal(result, 65536).startswith("max_seq_len=65536 does not fit")
