@@ -1,6 +1,8 @@
 """Helpers for the pipeline tests: a cached tiny synthetic dataset and a trainer subprocess runner.
 
 Subprocesses are started by these helpers and reaped by PID (never by name); every wait is bounded.
+The bounds are hang guards, never speed checks: a loaded 2-core machine runs the trainer several times slower
+than an idle one, so no wait here gives up before WAIT_FLOOR_S, whatever smaller bound a caller passes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import yaml
 
 TRAINING_ROOT = Path(__file__).resolve().parents[1]
+WAIT_FLOOR_S = 240.0
 
 
 def synth_dataset(base: Path, name: str = "synth_small", **options) -> Path:
@@ -34,32 +37,39 @@ def write_config(path: Path, **values) -> Path:
     return path
 
 
-def trainer_env() -> dict[str, str]:
+def trainer_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(TRAINING_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    # glibc adds a malloc arena (64 MiB of address space) whenever threads contend for one, so under an
+    # address-space limit (memory_limit_gb on CPU) how much is left would depend on the machine's load.
+    env["MALLOC_ARENA_MAX"] = "2"
     env["GLOO_SOCKET_IFNAME"] = "lo"
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
+    env.update(extra)
     return env
 
 
-def start_trainer(args: list[str], log_path: Path) -> subprocess.Popen:
+def start_trainer(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m eagle3 ARGS` in its own session, output appended to log_path; `env` adds variables."""
     log = log_path.open("ab")
     return subprocess.Popen(
         [sys.executable, "-m", "eagle3", *args],
         cwd=TRAINING_ROOT,
-        env=trainer_env(),
+        env=trainer_env(**(env or {})),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
 
 
-def run_trainer(args: list[str], log_path: Path, timeout: float = 240) -> int:
-    proc = start_trainer(args, log_path)
+def run_trainer(
+    args: list[str], log_path: Path, timeout: float = WAIT_FLOOR_S, env: dict[str, str] | None = None
+) -> int:
+    proc = start_trainer(args, log_path, env)
     try:
-        return proc.wait(timeout=timeout)
+        return proc.wait(timeout=max(timeout, WAIT_FLOOR_S))
     finally:
         reap(proc)
 
@@ -100,7 +110,8 @@ def read_samples(run_dir: Path, rank: int = 0) -> list[dict]:
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
+    """Poll `predicate` until it holds (True) or the bound passes (False); the bound is at least WAIT_FLOOR_S."""
+    deadline = time.monotonic() + max(timeout, WAIT_FLOOR_S)
     while time.monotonic() < deadline:
         if predicate():
             return True

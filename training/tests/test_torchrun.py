@@ -35,6 +35,8 @@ from pipeline_support import (
 
 RUN_TIMEOUT = 600  # bounds, not expectations: a run takes seconds on an idle machine
 STOP_TIMEOUT = 300
+# Over pyproject's 300 s per test: a test here may start two torchrun runs on a loaded machine.
+pytestmark = pytest.mark.timeout(1200)
 STEPS = 12  # the DDP reference run and the FSDP run it is compared with
 
 
@@ -65,7 +67,7 @@ def start_torchrun(
     proc = subprocess.Popen(
         cmd,
         cwd=TRAINING_ROOT,
-        env={**trainer_env(), **(env or {})},
+        env=trainer_env(**(env or {})),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
