@@ -65,6 +65,18 @@ options:
   max_seq_len:
     description: The max_seq_len this run was started with, for the messages.
     type: int
+  lock_path:
+    description:
+      - The run lock (M(target_lock)) this run holds; with O(lock_owner), its lease is renewed at each poll (about
+        every 5 s), so that a long wait never lets it go stale. Fails with C(verdict=lock_lost) when the lock is no
+        longer this run's. Nothing is renewed in check mode.
+    type: path
+  lock_owner:
+    description: This run's token for O(lock_path) (the C(run_lock) role's C(run_lock_lease.owner)).
+    type: str
+  lock_ttl:
+    description: The lease renewed at each poll, in seconds; default, the lease's own ttl.
+    type: int
 """
 
 EXAMPLES = r"""
@@ -97,7 +109,9 @@ EXAMPLES = r"""
 
 RETURN = r"""
 verdict:
-  description: healthy, done, oom, config, crash, stopped or timeout; C(waiting) when C(poll_for) ran out first.
+  description:
+    - healthy, done, oom, config, hang, disk_full, crash, stopped or timeout; C(waiting) when C(poll_for) ran out first.
+    - C(lock_lost) when O(lock_path) could not be renewed because the lock is no longer this run's.
   type: str
   returned: always
 status:
@@ -134,6 +148,7 @@ baseline_step:
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.run_lock import LockError, renew
 from ansible.module_utils.train_status import (
     completed_steps,
     is_fresh,
@@ -191,7 +206,11 @@ def main():
             baseline_step=dict(type="int"),
             log_lines=dict(type="int", default=30),
             max_seq_len=dict(type="int"),
+            lock_path=dict(type="path"),
+            lock_owner=dict(type="str"),
+            lock_ttl=dict(type="int"),
         ),
+        required_together=[("lock_path", "lock_owner")],
         supports_check_mode=True,
     )
     p = module.params
@@ -206,7 +225,25 @@ def main():
     path = status_path(p["run_dir"])
     kind, message, status, unit = "waiting", "", None, {}
     first_step = p["baseline_step"]
+    renew_lock = bool(p["lock_path"]) and not module.check_mode
+    renewed_at = None
     while True:
+        # The run lock's lease, renewed while this run waits here (at most every 5 s; each call renews once).
+        if renew_lock and (renewed_at is None or time.monotonic() - renewed_at >= 5):
+            try:
+                renew(p["lock_path"], p["lock_owner"], p["lock_ttl"])
+            except LockError as exc:
+                module.fail_json(
+                    msg=str(exc),
+                    verdict="lock_lost",
+                    status={},
+                    unit={},
+                    elapsed=0.0,
+                    progress=str(exc),
+                    wait_started=wall_start,
+                    baseline_step=first_step,
+                )
+            renewed_at = time.monotonic()
         unit = unit_state(p["unit"])
         status = read_status(path)
         # 1 s of slack: the trainer may write its first status within the second systemd stamps the start.

@@ -10,8 +10,11 @@ import json
 import os
 import subprocess
 
-# One source of truth for the trainer's exit codes as the unit sees them (training/eagle3/errors.py mirrors these).
-EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM = 0, 1, 2, 3
+# The trainer's exit codes as the unit sees them. training/eagle3/errors.py is the source; this copy (the target
+# side is stdlib only) and the unit's RestartPreventExitStatus= are held to it by tests/test_contracts.py.
+EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_HANG = 0, 1, 2, 3, 4
+# Exits a restart cannot fix (the unit's RestartPreventExitStatus=): bad config/data, out of memory.
+NO_RESTART_EXITS = (EXIT_CONFIG, EXIT_OOM)
 
 UNIT_PROPERTIES = (
     "ActiveState",
@@ -80,7 +83,8 @@ def is_fresh(status: dict, started_at: float) -> bool:
 def verdict(
     status: dict | None, unit: dict, *, min_steps: int, started_at: float, max_seq_len: int | None = None
 ):
-    """Classify what we see. Returns (kind, message), kind one of: healthy, done, waiting, oom, config, crash, stopped.
+    """Classify what we see. Returns (kind, message), kind one of: healthy, done, waiting, oom, config, hang,
+    disk_full, crash, stopped.
 
     >>> verdict({"phase": "training", "step": 5, "resumed_from_step": 0, "updated": 10}, {"ActiveState": "active"},
     ...         min_steps=3, started_at=5)[0]
@@ -98,6 +102,13 @@ def verdict(
             return "oom", f"out of memory at max_seq_len={msl}: {err.get('message', '')}".rstrip(": ")
         if kind == "config":
             return "config", f"the trainer rejected its configuration: {err.get('message', '')}"
+        if kind == "hang":
+            return (
+                "hang",
+                f"the trainer hung (its watchdog ended it; it restarts from the last checkpoint): {err.get('message', '')}",
+            )
+        if kind == "disk_full":
+            return "disk_full", f"the disk is full, no checkpoint could be written: {err.get('message', '')}"
         return "crash", f"the trainer crashed: {err.get('message', '')}"
     active = unit.get("ActiveState", "")
     if fresh and status.get("phase") == "done":

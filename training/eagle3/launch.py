@@ -30,7 +30,10 @@ import subprocess
 import sys
 import time
 
-EXIT_BY_ERROR_KIND = {"config": 2, "oom": 3}
+from eagle3.errors import EXIT_CONFIG, EXIT_HANG, EXIT_OOM
+
+# The trainer's error kinds that have an exit status of their own (eagle3/errors.py is the one source).
+EXIT_BY_ERROR_KIND = {"config": EXIT_CONFIG, "oom": EXIT_OOM, "hang": EXIT_HANG}
 TO_WORKERS = (signal.SIGTERM, signal.SIGINT)  # the trainer checkpoints on these; SIGHUP goes to the agent
 
 

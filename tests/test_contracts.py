@@ -1,0 +1,50 @@
+"""Facts stated in more than one place are held to their one source: a copy that drifts fails here.
+
+- Exit codes: training/eagle3/errors.py is the source. module_utils/train_status.py (the target side is stdlib only
+  and cannot import the trainer), eagle3.launch's error-kind map and the unit template's RestartPreventExitStatus=
+  must agree with it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from module_utils import train_status
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "training"))
+
+from eagle3 import errors, launch  # noqa: E402  (the trainer's package; errors and launch need no torch)
+
+
+def test_exit_codes_of_the_target_side_are_the_trainers():
+    names = [n for n in dir(errors) if n.startswith("EXIT_")]
+    assert names, "eagle3.errors defines no EXIT_* codes"
+    for name in names:
+        assert getattr(train_status, name, None) == getattr(errors, name), (
+            f"module_utils/train_status.{name} drifted"
+        )
+    extra = {n for n in dir(train_status) if n.startswith("EXIT_")} - set(names)
+    assert not extra, f"module_utils/train_status defines exit codes the trainer does not: {extra}"
+
+
+def test_launch_maps_every_error_kind_with_its_own_exit_code():
+    assert launch.EXIT_BY_ERROR_KIND == {
+        "config": errors.EXIT_CONFIG,
+        "oom": errors.EXIT_OOM,
+        "hang": errors.EXIT_HANG,
+    }
+
+
+def test_the_unit_never_restarts_exactly_the_exits_a_restart_cannot_fix():
+    template = (ROOT / "roles/eagle3_train/templates/eagle3-train.service.j2").read_text()
+    line = re.search(r"^RestartPreventExitStatus=(.*)$", template, re.M)
+    assert line, "the unit template lost RestartPreventExitStatus="
+    assert sorted(int(v) for v in line.group(1).split()) == sorted(train_status.NO_RESTART_EXITS)
+    # A hang or a crash must restart (from the last checkpoint): never in the list.
+    assert (
+        errors.EXIT_HANG not in train_status.NO_RESTART_EXITS
+        and errors.EXIT_CRASH not in train_status.NO_RESTART_EXITS
+    )
