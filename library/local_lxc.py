@@ -11,8 +11,9 @@ short_description: Start, stop or remove a local LXC container that stands in fo
 description:
   - Drives the C(lxc-*) tools for a container kept under its own lxcpath (the embedded default CT 129).
   - C(started) boots the container and waits until systemd inside reports C(running) or C(degraded).
-  - C(absent) stops the container and removes its directory, then verifies that no process, cgroup
-    directory or mount of it is left behind, and fails listing them when any is.
+  - C(absent) stops the container and removes its directory and its empty cgroup directories (a container
+    stopped from outside leaves them), then verifies that no process, cgroup directory or mount of it is left
+    behind, and fails listing them when any is (a cgroup that still holds a process is never removed).
   - The container's configuration and root file system are written by the C(local_ct) role, not here.
 version_added: "0.1.0"
 author: eagle3-pve contributors
@@ -148,15 +149,44 @@ def stop(module):
         module.fail_json(msg=f"CT {module.params['name']} is still running after lxc-stop -k: {proc.stderr}")
 
 
-def leftovers(name: str, ct_dir: str) -> list[str]:
-    """What a removed container may leave behind: cgroup directories, mounts, processes rooted in it."""
-    bases = ["/sys/fs/cgroup", *glob.glob("/sys/fs/cgroup/*/")]  # v2 unified, or one dir per v1 controller
-    found = [
+def cgroup_dirs(name: str) -> list[str]:
+    """The container's cgroup directories: v2 unified, or one per v1 controller hierarchy."""
+    bases = ["/sys/fs/cgroup", *glob.glob("/sys/fs/cgroup/*/")]
+    return [
         path
         for base in bases
         for kind in ("payload", "monitor", "pivot")
         if os.path.isdir(path := os.path.join(base, f"lxc.{kind}.{name}"))
     ]
+
+
+def remove_empty_cgroups(name: str) -> list[str]:
+    """Remove the container's cgroup directories that hold no process, deepest first.
+
+    A container stopped from outside (lxc-stop, a crash of its monitor) can leave them behind, with the nested
+    folders systemd made inside. Empty ones are removed here; one that still holds a process is kept and returned.
+    """
+    kept = []
+    for top in cgroup_dirs(name):
+        for path, _dirs, _files in os.walk(top, topdown=False):
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    busy = bool(f.read().strip())
+            except OSError:
+                busy = False
+            if busy:
+                kept.append(path)
+                continue
+            try:
+                os.rmdir(path)
+            except OSError:
+                kept.append(path)
+    return kept
+
+
+def leftovers(name: str, ct_dir: str) -> list[str]:
+    """What a removed container may leave behind: cgroup directories, mounts, processes rooted in it."""
+    found = cgroup_dirs(name)
     with open("/proc/self/mountinfo") as f:
         found += [
             f"mount {line.split()[4]}"
@@ -200,6 +230,11 @@ def main():
                     lxc(module, "lxc-stop", "-k", check=False)
                 if os.path.exists(ct_dir):
                     shutil.rmtree(ct_dir)
+        # Empty cgroup folders a stop from outside left behind are removed; busy ones are reported below.
+        if cgroup_dirs(p["name"]):
+            result["changed"] = True
+            if not module.check_mode:
+                remove_empty_cgroups(p["name"])
         result["state"] = "ABSENT"
         result["leftovers"] = [] if module.check_mode else leftovers(p["name"], ct_dir)
         if result["leftovers"]:
