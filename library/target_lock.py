@@ -1,157 +1,287 @@
 #!/usr/bin/python
 # Copyright: eagle3-pve contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""A lease lock on the target, held across the tasks of one playbook run."""
+"""A lease lock on the target, held (and renewed) across the tasks of one playbook run."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 module: target_lock
-short_description: Hold a lease lock on the target across the tasks of one playbook run
+short_description: Hold a renewed lease lock on the target across the tasks of one playbook run
 description:
   - C(train.yml) and C(cleanup.yml) both stop, kill and start things on the same CT; two runs must never
-    interleave. A file lock (C(flock)) lives only as long as one process, and a playbook is many, so this
-    module keeps a lock file created with C(O_EXCL) that names its owner, and removes it on release.
-  - A second run waits up to C(wait) seconds, then fails naming the holder (who, since when, which play).
-  - A lock older than C(stale_after) seconds is taken over, with a warning (its run died without releasing).
+    interleave. A playbook run is many processes, so the lock is a record in a file (O(path)) naming its owner
+    (a token unique to the run), the controller's user@host, its C(ansible-playbook) pid and that process's start
+    time, the playbook, the purpose, since when it is held, when it was last renewed and its lease (C(ttl)).
+  - Every read-check-write of the record happens under C(flock) of a guard file next to it (O(path) + C(.guard)),
+    and the record is replaced by write-temp + rename, so taking a free lock, taking over a stale one, breaking a
+    gone owner's, renewing and releasing are atomic. No two runs ever hold it, even when both find it stale.
+  - The lock is a lease. Its owner renews it (O(state=renewed), or M(train_health) with its C(lock_*) options
+    while it waits). A lease not renewed within its C(ttl) is stale and is taken over, with a warning.
+  - The target cannot see the controller's processes. The C(run_lock) role checks on the controller whether a
+    holder's C(ansible-playbook) is gone (same controller host, pid gone or reused) and then passes
+    O(break_owner); for a holder it saw alive it passes O(live_owner), which is never taken over.
+  - Another holder makes O(state=acquired) wait up to O(wait) seconds, then fail naming the holder
+    (user@host, pid, playbook, purpose, since, last renewal) and how to proceed.
+  - In check mode nothing is taken, renewed, released or created; O(state=acquired) reports who holds the lock
+    and what a real run would do.
 version_added: "0.1.0"
 author: eagle3-pve contributors
 options:
   path:
-    description: Lock file on the target.
+    description: The lock record on the target; the guard file is this path + C(.guard) (removed on release).
     type: path
     default: /run/lock/eagle3-pve.lock
   state:
-    description: C(acquired) takes the lock (waiting if needed); C(released) drops it if this owner holds it.
+    description:
+      - C(acquired) takes the lock (waiting if needed; renews it when this owner holds it already).
+      - C(renewed) renews this owner's lease; fails when the lock is no longer this owner's.
+      - C(released) drops it if this owner holds it (another owner's lock is left alone).
+      - C(query) only reads the record (no O(owner) needed).
     type: str
-    choices: [acquired, released]
+    choices: [acquired, renewed, released, query]
     default: acquired
   owner:
-    description: A token unique to this playbook run; the same token must be given to release.
+    description: A token unique to this playbook run; the same token must be given to renew and release.
     type: str
-    required: true
   purpose:
     description: What the holder is doing, shown to whoever waits.
     type: str
     default: ""
+  playbook:
+    description: The holder's playbook, shown to whoever waits.
+    type: str
+    default: ""
+  controller:
+    description:
+      - Who the run is, from the C(run_lock) role's C(run_lock_controller) lookup, copied into the record.
+      - Keys C(user), C(host) (the controller's hostname), C(pid) and C(pid_start) (the C(ansible-playbook) process
+        and its start time in clock ticks since boot), C(started) (that start, seconds since the epoch),
+        C(boot_id) and C(pidns) (the controller's boot and pid namespace, to know when a pid can be checked).
+    type: dict
   wait:
-    description: Seconds to wait for another holder before failing.
+    description: Seconds to wait for another holder before failing (O(state=acquired)).
     type: int
     default: 30
-  stale_after:
-    description: Seconds after which a lock is considered abandoned and taken over.
+  ttl:
+    description:
+      - Seconds the lease lasts after each renewal. O(state=acquired) defaults to 300. O(state=renewed) keeps the
+        lease's ttl unless given, so a renewal before a long step can cover it (e.g. the GPU cleanup's budget).
     type: int
-    default: 1800
+  break_owner:
+    description:
+      - A token whose lock is removed and taken if, under the flock, the record still holds exactly that token
+        (the controller found that run gone, or the user asked to break it).
+    type: str
+  live_owner:
+    description:
+      - A token the controller saw alive (its C(ansible-playbook) runs); its lock is not taken over even past its
+        ttl.
+    type: str
+  take_stale:
+    description:
+      - With false, a lease that ran out is reported as C(busy) (with C(expired=true)) rather than taken over, so
+        that the controller can first check whether its run is alive (the C(run_lock) role's first try).
+    type: bool
+    default: true
+  fail_on_busy:
+    description: With false, a lock still held by another run after O(wait) returns C(busy=true) instead of failing.
+    type: bool
+    default: true
+notes:
+  - Supports check mode (reports only).
 """
 
 EXAMPLES = r"""
-- name: Take the CT's lock
+- name: Take the CT's lock (the run_lock role does this, with the controller's identity)
   target_lock:
-    owner: "{{ eagle3_run_token }}"
+    owner: "{{ run_lock_token }}"
     purpose: train.yml max_seq_len=16384
+    playbook: train.yml
+    ttl: 300
+    wait: 30
+
+- name: Keep it through a long step (up to 200 s) plus the usual lease
+  target_lock:
+    owner: "{{ run_lock_token }}"
+    state: renewed
+    ttl: 500
+
+- name: Release it
+  target_lock:
+    owner: "{{ run_lock_token }}"
+    state: released
 """
 
 RETURN = r"""
+acquired:
+  description: The lock is this owner's now (always false in check mode).
+  type: bool
+  returned: state is acquired
+outcome:
+  description:
+    - C(taken) (it was free), C(held) (already ours, renewed), C(stale) (taken over, its lease ran out),
+      C(broken) (taken from O(break_owner)) or C(busy) (another run holds it).
+    - In check mode, what a real run would do now.
+  type: str
+  returned: state is acquired
+busy:
+  description: Another run holds the lock (check mode, or O(fail_on_busy=false)).
+  type: bool
+  returned: state is acquired
+expired:
+  description: The other holder's lease ran out (not renewed within its ttl).
+  type: bool
+  returned: state is acquired
 holder:
-  description: The lock file's content when the lock was held by someone else (or taken over).
+  description: The other holder's record (busy, taken over or broken), or the record seen on release or query.
   type: dict
-  returned: when another holder was seen
+  returned: when there was one
+described:
+  description: The holder in one line (user@host, pid, playbook, purpose, since, last renewal, lease).
+  type: str
+  returned: when there was a holder
+lock:
+  description: This owner's record once held or renewed.
+  type: dict
+  returned: when held
+overdue:
+  description: Seconds past the lease's end at which it was renewed (0 when in time).
+  type: float
+  returned: state is renewed
 waited:
   description: Seconds spent waiting for another holder.
   type: float
   returned: always
 """
 
-import json
-import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-
-
-def read_holder(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {"owner": "?", "since": os.path.getmtime(path) if os.path.exists(path) else 0}
-
-
-def try_create(path: str, record: dict) -> bool:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-    return True
+from ansible.module_utils.run_lock import (
+    DEFAULT_TTL,
+    LockError,
+    acquire,
+    busy_message,
+    describe,
+    read_record,
+    release,
+    renew,
+    ttl_expired,
+)
 
 
 def main():
     module = AnsibleModule(
         argument_spec=dict(
             path=dict(type="path", default="/run/lock/eagle3-pve.lock"),
-            state=dict(type="str", choices=["acquired", "released"], default="acquired"),
-            owner=dict(type="str", required=True),
+            state=dict(type="str", choices=["acquired", "renewed", "released", "query"], default="acquired"),
+            owner=dict(type="str"),
             purpose=dict(type="str", default=""),
+            playbook=dict(type="str", default=""),
+            controller=dict(type="dict"),
             wait=dict(type="int", default=30),
-            stale_after=dict(type="int", default=1800),
+            ttl=dict(type="int"),
+            break_owner=dict(type="str"),
+            live_owner=dict(type="str"),
+            take_stale=dict(type="bool", default=True),
+            fail_on_busy=dict(type="bool", default=True),
         ),
+        required_if=[("state", s, ["owner"]) for s in ("acquired", "renewed", "released")],
         supports_check_mode=True,
     )
     p = module.params
-    if p["wait"] < 0 or p["stale_after"] <= 0:
-        module.fail_json(
-            msg=f"wait must be >= 0 and stale_after > 0, got wait={p['wait']} stale_after={p['stale_after']}"
-        )
-    path = p["path"]
-    start = time.monotonic()
+    if p["wait"] < 0 or (p["ttl"] is not None and p["ttl"] <= 0):
+        module.fail_json(msg=f"wait must be >= 0 and ttl > 0, got wait={p['wait']} ttl={p['ttl']}")
+    path, owner, state = p["path"], p["owner"], p["state"]
 
-    if p["state"] == "released":
-        holder = read_holder(path)
-        if holder and holder.get("owner") == p["owner"]:
-            if not module.check_mode:
-                os.unlink(path)
-            module.exit_json(changed=True, waited=0.0)
-        module.exit_json(changed=False, waited=0.0, holder=holder or {})
+    def with_holder(result: dict, rec: dict | None) -> dict:
+        if rec:
+            result.update(holder=rec, described=describe(rec))
+        return result
 
-    # Locks are operational state: check mode still takes it, or a check run could interleave with a real one.
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    record = {"owner": p["owner"], "purpose": p["purpose"], "since": time.time(), "pid": os.getppid()}
-    seen = None
-    while True:
-        if try_create(path, record):
-            result = {"changed": True, "waited": round(time.monotonic() - start, 2)}
-            if seen:
-                result["holder"] = seen
-            module.exit_json(**result)
-        seen = read_holder(path)
-        if seen is None:
-            continue  # released between our two calls
-        if seen.get("owner") == p["owner"]:
-            module.exit_json(changed=False, waited=0.0, holder=seen)
-        age = time.time() - float(seen.get("since", 0))
-        if age > p["stale_after"]:
-            module.warn(f"taking over a stale lock {path} held for {age:.0f}s by {seen}")
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            continue
-        if time.monotonic() - start >= p["wait"]:
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(seen.get("since", 0))))
-            module.fail_json(
-                msg=(
-                    f"another eagle3-pve run holds {path} since {since} ({seen.get('purpose') or 'no purpose given'}, "
-                    f"owner {seen.get('owner')}); waited {p['wait']}s. Let it finish, or if it died, remove the "
-                    f"file (it is taken over automatically after {p['stale_after']}s)."
-                ),
-                holder=seen,
-                waited=round(time.monotonic() - start, 2),
+    if state == "query":
+        module.exit_json(
+            **with_holder(
+                {"changed": False, "waited": 0.0, "held": read_record(path) is not None}, read_record(path)
             )
-        time.sleep(0.5)
+        )
+
+    if state == "released":
+        if module.check_mode:
+            module.exit_json(**with_holder({"changed": False, "waited": 0.0}, read_record(path)))
+        try:
+            released, seen = release(path, owner)
+        except LockError as exc:
+            module.fail_json(msg=str(exc), waited=0.0)
+        result = {"changed": released, "waited": 0.0}
+        if not released:
+            with_holder(result, seen)
+        module.exit_json(**result)
+
+    if state == "renewed":
+        if module.check_mode:
+            module.exit_json(
+                changed=False, waited=0.0, overdue=0.0, msg="check mode: nothing held, nothing renewed"
+            )
+        try:
+            rec, overdue = renew(path, owner, p["ttl"])
+        except LockError as exc:
+            module.fail_json(msg=str(exc), waited=0.0)
+        if overdue > 0:
+            module.warn(
+                f"renewed the lock {path} {overdue:.0f} s after its lease ran out (nobody took it meanwhile); "
+                "renew it more often or give the step before a longer ttl"
+            )
+        module.exit_json(changed=False, waited=0.0, overdue=round(overdue, 1), lock=rec)
+
+    # acquired
+    try:
+        outcome, holder, waited = acquire(
+            path,
+            owner,
+            wait=0 if module.check_mode else p["wait"],
+            ttl=p["ttl"] or DEFAULT_TTL,
+            purpose=p["purpose"],
+            playbook=p["playbook"],
+            controller=p["controller"],
+            break_owner=p["break_owner"],
+            live_owner=p["live_owner"],
+            take_stale=p["take_stale"],
+            dry_run=module.check_mode,
+        )
+    except (LockError, OSError) as exc:
+        module.fail_json(msg=f"cannot use the lock {path}: {exc}", waited=0.0)
+    busy = outcome == "busy"
+    result = with_holder(
+        {
+            "changed": outcome in ("taken", "stale", "broken") and not module.check_mode,
+            "acquired": not busy and not module.check_mode,
+            "outcome": outcome,
+            "busy": busy,
+            "expired": bool(holder) and outcome != "held" and ttl_expired(holder),
+            "waited": round(waited, 2),
+        },
+        holder if outcome != "held" else None,
+    )
+    if module.check_mode:
+        result["msg"] = f"check mode: the lock {path} is not taken; " + (
+            f"it is held by {describe(holder)}" if busy else f"a real run would take it ({outcome})"
+        )
+        module.exit_json(**result)
+    if busy:
+        msg = busy_message(path, holder, waited, time.time())
+        if p["fail_on_busy"]:
+            module.fail_json(msg=msg, **result)
+        module.exit_json(msg=msg, **result)
+    result["lock"] = read_record(path)
+    if outcome == "stale":
+        module.warn(
+            f"took over the stale lock {path} (its lease ran out without renewal): {describe(holder)}"
+        )
+    elif outcome == "broken":
+        module.warn(f"broke the lock {path} of a run that is gone (break_owner): {describe(holder)}")
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":
