@@ -1,4 +1,4 @@
-"""The pieces train.yml relies on around the trainer: the run lock, the health verdicts, the unit's exit
+"""The pieces train.yml relies on around the trainer: the health verdicts, the unit's exit
 status (eagle3.launch), and the reproducible trainer package."""
 
 from __future__ import annotations
@@ -39,48 +39,6 @@ def run_module(name: str, args: dict, capsys) -> tuple[dict, int]:
     # Module warnings land in the result, or on the display once controller-side Ansible code was imported.
     result["_warnings_text"] = json.dumps(result.get("warnings", [])) + captured.err
     return result, exc.value.code
-
-
-# --- target_lock -----------------------------------------------------------------------------------------
-
-
-def test_lock_is_taken_released_and_only_by_its_owner(tmp_path, capsys):
-    lock = str(tmp_path / "lock")
-    res, rc = run_module("target_lock", {"path": lock, "owner": "run-a", "purpose": "train.yml"}, capsys)
-    assert rc == 0 and res["changed"] and json.loads(Path(lock).read_text())["owner"] == "run-a"
-    # Another owner cannot release it...
-    res, rc = run_module("target_lock", {"path": lock, "owner": "run-b", "state": "released"}, capsys)
-    assert rc == 0 and not res["changed"] and os.path.exists(lock)
-    # ...the owner can.
-    res, rc = run_module("target_lock", {"path": lock, "owner": "run-a", "state": "released"}, capsys)
-    assert rc == 0 and res["changed"] and not os.path.exists(lock)
-
-
-def test_second_run_waits_then_fails_naming_the_holder(tmp_path, capsys):
-    lock = str(tmp_path / "lock")
-    run_module(
-        "target_lock", {"path": lock, "owner": "run-a", "purpose": "train.yml max_seq_len=16384"}, capsys
-    )
-    t0 = time.monotonic()
-    res, rc = run_module("target_lock", {"path": lock, "owner": "run-b", "wait": 1}, capsys)
-    assert rc == 1 and time.monotonic() - t0 >= 1
-    assert "train.yml max_seq_len=16384" in res["msg"] and "run-a" in res["msg"]
-
-
-def test_second_run_gets_the_lock_when_the_first_releases_it(tmp_path, capsys):
-    lock = str(tmp_path / "lock")
-    run_module("target_lock", {"path": lock, "owner": "run-a"}, capsys)
-    threading.Timer(0.7, os.unlink, [lock]).start()
-    res, rc = run_module("target_lock", {"path": lock, "owner": "run-b", "wait": 10}, capsys)
-    assert rc == 0 and res["changed"] and res["waited"] >= 0.5
-
-
-def test_stale_lock_is_taken_over_with_a_warning(tmp_path, capsys):
-    lock = tmp_path / "lock"
-    lock.write_text(json.dumps({"owner": "dead-run", "since": time.time() - 10_000}))
-    res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-b", "stale_after": 3600}, capsys)
-    assert rc == 0 and json.loads(lock.read_text())["owner"] == "run-b"
-    assert "stale lock" in res["_warnings_text"]
 
 
 # --- health verdicts ---------------------------------------------------------------------------------------
