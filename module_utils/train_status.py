@@ -166,6 +166,9 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
     >>> run_state({"phase": "training", "step": 9, "updated": 100, "step_time_s": 4, "log_every": 1},
     ...           {"ActiveState": "active", "SubState": "running"}, {}, started_at=50, now=110)["state"]
     'running'
+    >>> run_state({"phase": "training", "step": 9, "resumed_from_step": 9, "updated": 100, "step_time_s": 0},
+    ...           {"ActiveState": "active", "SubState": "running"}, {}, started_at=50, now=110)["detail"]
+    'resumed from step 9, first step of this run in progress'
     >>> r = run_state({"phase": "training", "step": 9, "updated": 100, "step_time_s": 4, "log_every": 1},
     ...               {"ActiveState": "active", "SubState": "running"}, {}, started_at=50, now=700)
     >>> r["state"], r["stalled"], r["detail"]
@@ -202,6 +205,12 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
     if active == "active" and not (fresh and s.get("phase") in ("training", "validating", "checkpointing")):
         out["state"] = "starting"
         out["detail"] = f"phase {s.get('phase')}" if fresh else "no status from this run yet"
+        return out
+    if active == "active" and not s.get("step_time_s"):
+        out["state"] = "starting"
+        resumed = s.get("resumed_from_step")
+        out["detail"] = f"resumed from step {resumed}, " if resumed else ""
+        out["detail"] += "first step of this run in progress"
         return out
     if active == "active":
         out["state"] = "running"

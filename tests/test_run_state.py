@@ -108,9 +108,15 @@ def test_reset_forgets_the_failures(tmp_path):
     [
         (
             {"ActiveState": "active", "SubState": "running"},
-            {"phase": "training", "updated": 100},
+            {"phase": "training", "updated": 100, "step_time_s": 4.0},
             {},
             "running",
+        ),
+        (  # resumed, its first step not done yet: no rate to show
+            {"ActiveState": "active", "SubState": "running"},
+            {"phase": "training", "updated": 100, "step_time_s": 0.0},
+            {},
+            "starting",
         ),
         (
             {"ActiveState": "active", "SubState": "running"},

@@ -57,6 +57,7 @@ VARIABLES: dict[str, dict] = {
     "eagle3_train_restart_delays": {"kind": "int_list", "min": 0},
     "eagle3_train_restart_limit": {"kind": "int", "min": 1},
     "eagle3_train_enabled": {"kind": "bool"},
+    "eagle3_train_start_ct": {"kind": "bool"},
     "eagle3_train_lock_wait": {"kind": "int", "min": 0},
 }
 
