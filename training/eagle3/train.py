@@ -90,15 +90,17 @@ def is_oom(exc: BaseException) -> bool:
 FAULT_OOM_ENV = "EAGLE3_FAULT_OOM_AT_STEP"
 
 
-def inject_oom(step: int, rank: int) -> None:
+def inject_oom(step: int, rank: int, start_step: int = 0) -> None:
     """Tests only: EAGLE3_FAULT_OOM_AT_STEP=N (every rank) or N:rankR (rank R only) raises torch's own
     out-of-memory error in step N (1-based) after its forward, so the real OOM path runs (status.json error
-    kind "oom", exit 3, the other ranks stopping) without starving the process of memory."""
+    kind "oom", exit 3, the other ranks stopping) without starving the process of memory. ``+N`` counts from
+    the step this run resumed at (``start_step``): +1 is the first step of the run, whatever its checkpoint."""
     raw = os.environ.get(FAULT_OOM_ENV, "")
     if not raw:
         return
     at, _, only = raw.strip().partition(":rank")
-    if int(at) == step and (not only or int(only) == rank):
+    target = start_step + int(at[1:]) if at.startswith("+") else int(at)
+    if target == step and (not only or int(only) == rank):
         raise torch.OutOfMemoryError(f"fault injection: {FAULT_OOM_ENV}={raw} (step {step}, rank {rank})")
 
 
@@ -650,7 +652,7 @@ class Trainer:
             t1 = time.perf_counter()
             with self.autocast():
                 loss, stats = ttt_forward(self.step_module, batch, **self.ttt_options)
-            inject_oom(state.step + 1, info.rank)  # tests only: EAGLE3_FAULT_OOM_AT_STEP
+            inject_oom(state.step + 1, info.rank, resumed_from or 0)  # tests only: EAGLE3_FAULT_OOM_AT_STEP
             if not real:
                 loss = loss * 0.0
             self.sync()

@@ -33,3 +33,10 @@ def test_the_chosen_step_and_rank_raise_a_real_oom(monkeypatch, value, raises_at
 def test_unset_does_nothing(monkeypatch):
     monkeypatch.delenv(FAULT_OOM_ENV, raising=False)
     inject_oom(1, 0)
+
+
+def test_plus_n_counts_from_the_step_the_run_resumed_at(monkeypatch):
+    monkeypatch.setenv(FAULT_OOM_ENV, "+2")
+    inject_oom(41, 0, start_step=40)
+    with pytest.raises(torch.OutOfMemoryError):
+        inject_oom(42, 0, start_step=40)
