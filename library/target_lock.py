@@ -171,6 +171,14 @@ from ansible.module_utils.run_lock import (
 )
 
 
+# How a real run would take the lock, for check mode's message.
+CHECK_HOW = {
+    "held": " (this run holds it already)",
+    "stale": " over (its lease ran out)",
+    "broken": " (break_owner names its holder)",
+}
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -265,9 +273,13 @@ def main():
         holder if outcome != "held" else None,
     )
     if module.check_mode:
-        result["msg"] = f"check mode: the lock {path} is not taken; " + (
-            f"it is held by {describe(holder)}" if busy else f"a real run would take it ({outcome})"
-        )
+        if busy:
+            how = f"it is held by {describe(holder)}"
+        else:
+            how = "a real run would take it" + CHECK_HOW.get(outcome, "")
+            if holder and outcome != "held":
+                how += f" from {describe(holder)}"
+        result["msg"] = f"check mode: the lock {path} is not taken; {how}"
         module.exit_json(**result)
     if busy:
         msg = busy_message(path, holder, waited, time.time())
