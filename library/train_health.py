@@ -145,9 +145,11 @@ baseline_step:
   returned: always
 """
 
+import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.restart_backoff import read_state as read_backoff
 from ansible.module_utils.run_lock import LockError, renew
 from ansible.module_utils.train_status import (
     completed_steps,
@@ -255,6 +257,19 @@ def main():
             started_at=started_at - 1.0,
             max_seq_len=p["max_seq_len"],
         )
+        # Restarting after a failure (the unit's restart record counts them): a crash loop, said now with the last
+        # exit's reason, not after the whole timeout.
+        if kind == "waiting" and unit.get("ActiveState") == "activating":
+            record = read_backoff(os.path.join(p["run_dir"], "restart-backoff.json"))
+            if int(record.get("failures") or 0) >= 1:
+                last = record.get("last_exit") or {}
+                kind, message = (
+                    "crash",
+                    (
+                        f"crash loop: {record['failures']} failed run(s) in a row, systemd restarts it with a growing "
+                        f"delay; last exit: {last.get('reason', '?')}: {last.get('message', '')}"
+                    ),
+                )
         # A run that was already going before this wait (train.yml found nothing to change) is healthy only once
         # it is seen to advance now: steps completed an hour ago say nothing about a run stuck since.
         step = (status or {}).get("step")

@@ -182,6 +182,19 @@ def test_progress_lines_read_as_documented(path):
     assert doctest.testmod(mod).failed == 0
 
 
+def test_train_health_names_a_crash_loop_at_once(fake_systemd, tmp_path, capsys):
+    """A unit restarting after failures fails the wait now, with the last exit's reason (not at the timeout)."""
+    (fake_systemd / "show").write_text("ActiveState=activating\nSubState=auto-restart\nResult=exit-code\n")
+    (tmp_path / "restart-backoff.json").write_text(
+        json.dumps({"failures": 2, "last_exit": {"reason": "crash", "message": "No module named 'eagle3'"}})
+    )
+    res, rc = run_module(
+        "train_health", {"run_dir": str(tmp_path), "timeout": 600, "poll_interval": 0.1}, capsys
+    )
+    assert rc == 1 and res["verdict"] == "crash" and res["elapsed"] < 60
+    assert "crash loop: 2 failed run(s) in a row" in res["msg"] and "No module named 'eagle3'" in res["msg"]
+
+
 def test_train_health_rejects_nonpositive_timeout(tmp_path, capsys):
     res, rc = run_module("train_health", {"run_dir": str(tmp_path), "timeout": 0}, capsys)
     assert rc == 1 and "timeout must be positive" in res["msg"]
