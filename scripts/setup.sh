@@ -48,4 +48,4 @@ train_py=$(find_python 11 11 "${train_candidates[@]}") || die "no Python 3.11 fo
 say "training Python: $train_py"
 ensure_venv .venv-train "$train_py" requirements/train.txt
 
-say "done: controller $(.venv/bin/ansible --version | head -1), torch $(.venv-train/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+say "done: ansible-core $(.venv/bin/python -c 'from ansible.release import __version__; print(__version__)'), torch $(.venv-train/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null)"

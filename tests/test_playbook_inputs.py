@@ -1,6 +1,7 @@
 """Bad input to the user's commands fails on the controller with a message naming the value and the fix,
 before anything is touched. Each run points at a CT that does not exist (VMID 9998 under an empty lxcpath):
-had validation let it through, the play would have failed differently (unreachable), not with the message."""
+had validation let it through, the play would have gone on to find the CT stopped (role ct_running), not failed with
+the message."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_train_rejects_bad_max_seq_len_before_touching_the_ct(inventory, value, 
     out = " ".join(proc.stdout.split())
     assert proc.returncode == 2, proc.stdout[-3000:]
     assert message in out and "Nothing was changed" in out
-    assert "UNREACHABLE" not in proc.stdout  # validation stopped it; the CT was never contacted
+    assert "is stopped" not in proc.stdout  # validation stopped it; the CT was never asked about
 
 
 # One bad value for every variable a user can set on train.yml (-e strings, as the command line gives them, and
@@ -166,7 +167,7 @@ def test_train_names_every_bad_variable_with_its_value_and_what_is_allowed(inven
     assert proc.returncode == 2, proc.stdout[-3000:]
     missing = [message for _, message in BAD_TRAIN_INPUTS if message not in out]
     assert not missing, f"not reported: {missing}\n{proc.stdout[-6000:]}"
-    assert "Nothing was changed" in out and "UNREACHABLE" not in proc.stdout
+    assert "Nothing was changed" in out and "is stopped" not in proc.stdout
     assert "argument_spec" not in proc.stdout  # the role's messages, not Ansible's spec dump
 
 
@@ -182,11 +183,11 @@ def test_train_rejects_one_bad_variable_before_touching_the_ct(inventory, extra,
     assert proc.returncode == 2, proc.stdout[-3000:]
     assert message in out and "Nothing was changed" in out
     assert out.count(" allowed: ") + out.count("did you mean") >= 1
-    assert "UNREACHABLE" not in proc.stdout
+    assert "is stopped" not in proc.stdout
 
 
 def test_train_accepts_boolean_and_number_strings(inventory):
-    # What -e gives: strings. Validation lets them through, so the play goes on to the (missing) CT: unreachable.
+    # What -e gives: strings. Validation lets them through, so the play goes on to ask about the (missing) CT.
     proc = run(
         "train.yml",
         inventory,
@@ -202,7 +203,7 @@ def test_train_accepts_boolean_and_number_strings(inventory):
     )
     assert proc.returncode != 0
     assert "Invalid training input" not in proc.stdout, proc.stdout[-3000:]
-    assert "UNREACHABLE" in proc.stdout, proc.stdout[-3000:]
+    assert "CT 9998 is stopped" in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.fixture
