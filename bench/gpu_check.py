@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "training"))
 sys.path.insert(0, str(ROOT / "module_utils"))
 
-for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # before CUDA initialises (FACTS.md §6)
+# Before CUDA initialises (docs/facts.md#memory-and-flex-attention).
+for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
     os.environ.setdefault(_var, "expandable_segments:True")
 
 import torch  # noqa: E402

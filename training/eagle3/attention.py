@@ -1,6 +1,6 @@
 """Attention of the EAGLE-3 drafter during training-time test (TTT), for one packed row.
 
-At TTT step k the query at slot j sees (FACTS.md §5):
+At TTT step k the query at slot j sees (docs/facts.md#training-time-test):
 
 * the step-0 keys of its own document at slots <= j (causal, within the document), and
 * exactly one key per later step 1..k, the one at the same slot j (the "diagonal").
@@ -261,7 +261,8 @@ def ttt_mask_mod(document_ids: torch.Tensor):
 def ttt_block_mask(document_ids: torch.Tensor, step: int, compile_mask: bool) -> BlockMask:
     """BlockMask of step `step` (KV length S * (step + 1)), broadcast over batch and heads (B=None, H=None).
 
-    Compile on CUDA: uncompiled, create_block_mask materialises the whole Q x KV grid (FACTS.md §6).
+    Compile on CUDA: uncompiled, create_block_mask materialises the whole Q x KV grid
+    (docs/facts.md#memory-and-flex-attention).
     """
     seq_len = document_ids.shape[0]
     return create_block_mask(
@@ -281,7 +282,8 @@ _COMPILED_FLEX = None
 def allow_recompiles(limit: int = 64) -> None:
     """The compiled flex_attention makes one graph per (length, TTT step): ttt_steps graphs per length, twice
     that in a two-length probe. Past torch's recompile limit (8) flex falls back to the unfused path, which
-    materialises the whole score matrix (FACTS.md §6): raise the limit for this process."""
+    materialises the whole score matrix (docs/facts.md#memory-and-flex-attention): raise the limit for this
+    process."""
     import torch._dynamo
 
     for name in (

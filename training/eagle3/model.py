@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (FACTS.md §5) and its training-time-test (TTT) forward pass.
+"""The EAGLE-3 drafter (docs/facts.md#eagle-3-drafter) and its training-time-test (TTT) forward pass.
 
 Parameter names follow speculators' Eagle3 so vLLM can serve the export:
 
@@ -68,7 +68,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     norm_before_fc: bool = False
-    # speculators keeps lm_head frozen at the target's rows (FACTS.md §5 counts it as frozen).
+    # speculators keeps lm_head frozen at the target's rows (docs/facts.md#eagle-3-drafter counts it as frozen).
     train_lm_head: bool = False
 
     def to_dict(self) -> dict:

@@ -82,7 +82,7 @@ class Shape:
     def linear_params(self) -> int:
         """Trainable Linear weights (autocast keeps a bf16 copy of each): fc, q/k/v/o, gate/up/down, lm_head if trained.
 
-        >>> SHAPES["kimi-k2.5"].linear_params()  # FACTS.md §5: ~756 M trainable
+        >>> SHAPES["kimi-k2.5"].linear_params()  # docs/facts.md#eagle-3-drafter: ~756 M trainable
         756023296
         """
         h, a, i = self.hidden_size, self.attention_dim, self.intermediate_size
@@ -107,7 +107,7 @@ class Shape:
 
 
 SHAPES = {
-    # FACTS.md §5: the Kimi-K2.x-shaped drafter of the story.
+    # docs/facts.md#eagle-3-drafter: the Kimi-K2.x-shaped drafter of the story.
     "kimi-k2.5": Shape(7168, 64, 64, 18432, 32000, 163840),
     # issue 7 item 6: the same drafter scaled by 1/8 (bench/memory.py measures it on CPU).
     "kimi-k2.5-eighth": Shape(896, 8, 64, 2304, 4000, 20480),

@@ -16,7 +16,7 @@ def inference_reference(model, batch, ttt_steps):
     For slot j: step 0 attends to the step-0 states of its document's slots <= j; step m then
     extends a private chain (teacher-forced token input_ids[j+1+m], position position_ids[j]+1+m,
     the previous step's hidden state) that attends to that prefix plus the chain so far.
-    No masks, no shifted tensors: an independent statement of FACTS.md §5.
+    No masks, no shifted tensors: an independent statement of docs/facts.md#training-time-test.
     """
     cfg, layer = model.cfg, model.layers[0]
     ids, pos, doc = batch["input_ids"], batch["position_ids"], batch["document_ids"]
