@@ -35,6 +35,12 @@ def data(tmp_path_factory):
     return synth_dataset(tmp_path_factory.getbasetemp())
 
 
+@pytest.fixture(scope="module")
+def short_data(tmp_path_factory):
+    """48 documents: an epoch of ~20 steps at 512 tokens, for the tests that run whole epochs."""
+    return synth_dataset(tmp_path_factory.getbasetemp(), "synth_48", num_samples=48)
+
+
 def _config(tmp_path, data, **values):
     base = dict(
         data_dir=str(data),
@@ -73,7 +79,7 @@ def most_frequent_baseline(data, ids) -> tuple[float, float]:
 def test_drafter_learns_on_synth_data(tmp_path_factory, tmp_path):
     data = synth_dataset(tmp_path_factory.getbasetemp(), "synth_learn", num_samples=400, max_len=512)
     cfg = _config(
-        tmp_path, data, max_seq_len=1024, max_steps=120, lr=5e-3, warmup_steps=10, log_every=20, val_every=60
+        tmp_path, data, max_seq_len=1024, max_steps=80, lr=5e-3, warmup_steps=10, log_every=20, val_every=40
     )
     assert run_trainer(["train", "--config", str(cfg)], tmp_path / "log.txt", timeout=240) == 0
     run = tmp_path / "run"
@@ -82,14 +88,14 @@ def test_drafter_learns_on_synth_data(tmp_path_factory, tmp_path):
     chance, frequent = most_frequent_baseline(data, val_ids)
     first, last = vals[0]["full_acc"][0], vals[-1]["full_acc"][0]
     print(
-        f"learning: val full_acc_0 {first:.3f} @60 -> {last:.3f} @120; chance {chance:.4f}, most-frequent {frequent:.3f}"
+        f"learning: val full_acc_0 {first:.3f} @40 -> {last:.3f} @80; chance {chance:.4f}, most-frequent {frequent:.3f}"
     )
     assert last > 0.4
     assert last > 3 * frequent and last > 100 * chance
     assert vals[-1]["loss"] < vals[0]["loss"]
     assert read_status(run)["phase"] == "done"
     best = json.loads((run / "checkpoints" / "best" / "trainer_state.json").read_text())
-    assert best["best_step"] == 120  # the lowest validation loss is the last one here
+    assert best["best_step"] == 80  # the lowest validation loss is the last one here
     # Export the best checkpoint in the speculators format and load it back.
     out = tmp_path / "export"
     assert run_trainer(["export", str(run), str(out)], tmp_path / "export.txt", timeout=120) == 0
@@ -158,16 +164,15 @@ def test_corrupt_shard_exits_2(tmp_path, data):
 
 # ------------------------------------------------------------------------------------------ out of memory
 def test_out_of_memory_exits_3_and_says_so(tmp_path, data):
-    # 1 GB of address space holds torch and a 512-token step but not a 16384-token row at 5 TTT steps.
-    small = _config(tmp_path, data, max_steps=1, memory_limit_gb=1.0, val_fraction=0.0, ttt_steps=5)
-    assert run_trainer(["train", "--config", str(small)], tmp_path / "ok.txt", timeout=120) == 0
-    (tmp_path / "run2").mkdir()
-    args = ["train", "--config", str(small), "--run-dir", str(tmp_path / "run2"), "--max-seq-len", "16384"]
-    rc = run_trainer(args, tmp_path / "oom.txt", timeout=180)
+    # torch's own OutOfMemoryError, raised in step 2 by the test-only hook (no address-space starvation).
+    cfg = _config(tmp_path, data, max_seq_len=1024, max_steps=4, val_fraction=0.0)
+    rc = run_trainer(
+        ["train", "--config", str(cfg)], tmp_path / "oom.txt", env={"EAGLE3_FAULT_OOM_AT_STEP": "2"}
+    )
     assert rc == 3, (tmp_path / "oom.txt").read_text()
-    error = _status_error(tmp_path / "run2")
-    assert error["kind"] == "oom" and error["max_seq_len"] == 16384
-    assert "16384" in error["message"]
+    error = _status_error(tmp_path / "run")
+    assert error["kind"] == "oom" and error["max_seq_len"] == 1024
+    assert "max_seq_len=1024" in error["message"]
 
 
 # ------------------------------------------------------------------------------------------ signals and resume
@@ -181,8 +186,8 @@ def _train_ids_in_order(data, max_seq_len, seed=0):
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_restart_continues_the_same_data_order(tmp_path, data):
-    cfg = _config(tmp_path, data, epochs=1)
+def test_sigterm_checkpoints_and_restart_continues_the_same_data_order(tmp_path, short_data):
+    cfg = _config(tmp_path, short_data, epochs=1)
     run = tmp_path / "run"
     proc = start_trainer(["train", "--config", str(cfg)], tmp_path / "log.txt")
     try:
@@ -190,14 +195,14 @@ def test_sigterm_checkpoints_and_restart_continues_the_same_data_order(tmp_path,
             tmp_path / "log.txt"
         ).read_text()
         os.killpg(proc.pid, signal.SIGTERM)
-        rc = proc.wait(timeout=60)
+        rc = proc.wait(timeout=240)
     finally:
         reap(proc)
     assert rc == 0, (tmp_path / "log.txt").read_text()
     status = read_status(run)
     stopped_at = status["step"]
     assert status["phase"] == "stopped" and status["last_checkpoint_step"] == stopped_at
-    train_ids, plan = _train_ids_in_order(data, 512)
+    train_ids, plan = _train_ids_in_order(short_data, 512)
     assert stopped_at < len(plan), "the signal came too late to test a mid-epoch stop"
     assert ckpt.newest_valid(run).name == ckpt.step_dir_name(stopped_at)
 
@@ -215,8 +220,8 @@ def test_sigterm_checkpoints_and_restart_continues_the_same_data_order(tmp_path,
 
 
 @pytest.mark.slow
-def test_sigkill_resumes_from_the_last_valid_checkpoint(tmp_path, data):
-    cfg = _config(tmp_path, data, epochs=1, checkpoint_every=4)
+def test_sigkill_resumes_from_the_last_valid_checkpoint(tmp_path, short_data):
+    cfg = _config(tmp_path, short_data, epochs=1, checkpoint_every=4)
     run = tmp_path / "run"
     proc = start_trainer(["train", "--config", str(cfg)], tmp_path / "log.txt")
     try:
@@ -224,7 +229,7 @@ def test_sigkill_resumes_from_the_last_valid_checkpoint(tmp_path, data):
             tmp_path / "log.txt"
         ).read_text()
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=240)
     finally:
         reap(proc)
     last_valid = ckpt.list_valid(run)[-1][0]
@@ -239,7 +244,7 @@ def test_sigkill_resumes_from_the_last_valid_checkpoint(tmp_path, data):
     assert status["resumed_from_step"] == last_valid
     assert not half.exists() and not tmp.exists()
     records = read_samples(run)
-    _, plan = _train_ids_in_order(data, 512)
+    _, plan = _train_ids_in_order(short_data, 512)
     # Steps after the last checkpoint ran twice (before the kill and after the restart) with the same samples.
     by_step: dict[int, list] = {}
     for r in records:
@@ -262,7 +267,7 @@ def test_second_signal_exits_at_once(tmp_path, data):
             lambda: "checkpoint at the next step boundary" in (tmp_path / "log.txt").read_text(), 30
         )
         os.killpg(proc.pid, signal.SIGTERM)
-        rc = proc.wait(timeout=30)
+        rc = proc.wait(timeout=240)
     finally:
         reap(proc)
     assert rc == 1
@@ -281,11 +286,11 @@ def test_16384_token_row_runs_in_bounded_memory(tmp_path, data):
     assert record["tokens"] > 16384 * 0.8
 
 
-def test_epochs_cover_every_training_sample_once_each(tmp_path, data):
-    cfg = _config(tmp_path, data, max_seq_len=2048, ttt_steps=1, epochs=3, log_every=50)
+def test_epochs_cover_every_training_sample_once_each(tmp_path, short_data):
+    cfg = _config(tmp_path, short_data, max_seq_len=2048, ttt_steps=1, epochs=3, log_every=50)
     assert run_trainer(["train", "--config", str(cfg)], tmp_path / "log.txt", timeout=180) == 0
     records = read_samples(tmp_path / "run")
-    train_ids, _ = split_train_val(DatasetReader(data).index.num_samples, 0.1)
+    train_ids, _ = split_train_val(DatasetReader(short_data).index.num_samples, 0.1)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     for epoch in range(3):
         assert sorted(s for r in records if r["epoch"] == epoch for s in r["ids"]) == train_ids
