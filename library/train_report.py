@@ -78,6 +78,13 @@ backoff:
   description: The restart record (failures in a row, last exit with reason and message).
   type: dict
   returned: always
+last_stop:
+  description:
+    - The last stop that had to SIGKILL workers (eagle3.launch's C(last-stop.json)), when it came after the
+      trainer's last report; {} otherwise. C(message) says which ranks ignored SIGTERM, for how long, and the steps
+      lost since the last checkpoint.
+  type: dict
+  returned: always
 status_age_s:
   description: Seconds since the trainer last rewrote status.json (the target's clock), null without one.
   type: int
@@ -103,6 +110,7 @@ from ansible.module_utils.restart_backoff import read_state
 from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state
 
 BACKOFF_FILE = "restart-backoff.json"
+LAST_STOP_FILE = "last-stop.json"  # written by eagle3.launch when a stop had to SIGKILL workers
 
 
 def started_at(unit: dict) -> float:
@@ -134,6 +142,9 @@ def main():
         started_at(unit),
         time.time(),
     )
+    last_stop = read_status(os.path.join(p["run_dir"], LAST_STOP_FILE))
+    if last_stop and status and float(last_stop.get("time") or 0) < float(status.get("updated") or 0):
+        last_stop = None  # a stop before the current run's last report: not news any more
     held = (
         holders(p["devices"], exclude_unit=p["unit"], protect=p["protect"], include_protected=True)
         if p["devices"]
@@ -145,6 +156,7 @@ def main():
         status=status or {},
         unit={k: unit.get(k) for k in ("ActiveState", "SubState", "Result", "NRestarts", "ExecMainStatus")},
         backoff=backoff,
+        last_stop=last_stop or {},
         status_age_s=round(time.time() - float(status.get("updated") or 0)) if status else None,
         foreign_holders=[h for h in held if not h["protected"]],
         protected_holders=[h for h in held if h["protected"]],

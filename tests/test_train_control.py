@@ -203,7 +203,7 @@ def test_train_health_rejects_nonpositive_timeout(tmp_path, capsys):
 # --- eagle3.launch: the unit's exit status -----------------------------------------------------------------
 
 
-def run_launch(tmp_path, child_body: str, signal_after: float | None = None):
+def run_launch(tmp_path, child_body: str, signal_after: float | None = None, launch_args=()):
     """Run eagle3.launch around a fake torchrun that writes status.json like the trainer does."""
     child = tmp_path / "fake_torchrun.py"
     child.write_text(textwrap.dedent(child_body))
@@ -213,6 +213,7 @@ def run_launch(tmp_path, child_body: str, signal_after: float | None = None):
         "eagle3.launch",
         "--status",
         str(tmp_path / "status.json"),
+        *launch_args,
         "--",
         sys.executable,
         str(child),
@@ -259,6 +260,28 @@ time.sleep(30)
     )
     rc, err = run_launch(tmp_path, body, signal_after=0.2)
     assert rc == 0, err
+
+
+def test_launch_kills_a_worker_that_ignores_sigterm_and_says_what_was_lost(tmp_path):
+    """A rank blocked in a collective never checkpoints: after --kill-after it gets SIGKILL, and the launcher says
+    which rank, after how long, and how many steps since the last checkpoint are lost (journal + last-stop.json)."""
+    body = (
+        WRITE
+        + """
+import subprocess
+worker = subprocess.Popen(
+    [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"],
+    env={"RANK": "1"}, start_new_session=True)
+write(phase="training", step=57, last_checkpoint_step=50)
+worker.wait()
+sys.exit(1)
+"""
+    )
+    rc, err = run_launch(tmp_path, body, signal_after=0.5, launch_args=["--kill-after", "1"])
+    report = json.loads((tmp_path / "last-stop.json").read_text())
+    assert report["signal"] == "SIGTERM" and report["killed"][0]["rank"] == "1" and report["steps_lost"] == 7
+    assert "workers ignored SIGTERM for" in err and "rank 1 (pid" in err and "7 step(s)" in err
+    assert rc != 0  # not a clean stop: the unit says so
 
 
 @pytest.mark.parametrize(("kind", "want"), [("oom", 3), ("config", 2), ("crash", 1)])

@@ -105,3 +105,10 @@ def test_gpu_holders_outside_the_unit_are_named_with_user_and_command():
         "GPU held outside the unit: pid 4242 python3 (user alice): python3 nb.py holds /dev/nvidia1" in lines
     )
     assert any(line.startswith("GPU held by a protected process (never signalled): pid 7") for line in lines)
+
+
+def test_a_stop_that_had_to_kill_says_so():
+    stop = {"message": "workers ignored SIGTERM for 60 s: rank 1 (pid 4242) got SIGKILL; 7 step(s) since the last "
+            "checkpoint (step 50) are lost"}  # fmt: skip
+    lines = summary.training_summary(report("failed", reason="signal: killed by SIGKILL", last_stop=stop), [])
+    assert f"last stop: {stop['message']}" in lines

@@ -118,9 +118,54 @@ def outcome_line(rc: int, final: int, stop_signal: str, status: dict | None) -> 
     return f"eagle3.launch: torchrun exited {rc}; unit exit status {final}{suffix}"
 
 
+def worker_rank(pid: int) -> str:
+    """RANK from a worker's environment ('?' when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return "?"
+    return next((e[5:].decode() for e in env if e.startswith(b"RANK=")), "?")
+
+
+def escalation_report(stop_signal: str, waited: float, killed: dict[int, str], status: dict | None) -> dict:
+    """What a stop that had to SIGKILL looked like, for the journal and status.yml.
+
+    >>> r = escalation_report("SIGTERM", 30.0, {4242: "1"}, {"step": 57, "last_checkpoint_step": 50})
+    >>> r["message"]
+    'workers ignored SIGTERM for 30 s: rank 1 (pid 4242) got SIGKILL; 7 step(s) since the last checkpoint (step 50) are lost'
+    """
+    status = status or {}
+    step, ckpt = status.get("step"), status.get("last_checkpoint_step")
+    lost = (int(step) - int(ckpt or 0)) if step is not None else None
+    ranks = ", ".join(f"rank {rank} (pid {pid})" for pid, rank in sorted(killed.items()))
+    message = f"workers ignored {stop_signal} for {waited:.0f} s: {ranks} got SIGKILL"
+    if lost is not None:
+        message += f"; {lost} step(s) since the last checkpoint (step {ckpt}) are lost"
+    return {
+        "time": time.time(),
+        "signal": stop_signal,
+        "waited_s": round(waited, 1),
+        "killed": [{"pid": pid, "rank": rank} for pid, rank in sorted(killed.items())],
+        "last_step": step,
+        "last_checkpoint_step": ckpt,
+        "steps_lost": lost,
+        "message": message,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eagle3.launch", description=__doc__.splitlines()[0])
     ap.add_argument("--status", required=True, metavar="PATH", help="the trainer's status.json")
+    ap.add_argument(
+        "--kill-after",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds the workers get to checkpoint after SIGTERM/SIGINT before SIGKILL (a rank blocked in a "
+        "collective never reaches its checkpoint); the escalation is logged and written to last-stop.json "
+        "beside status.json (default 60)",
+    )
     ap.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- torchrun ARGS... (the torchrun command line)"
     )
@@ -131,13 +176,14 @@ def main(argv: list[str] | None = None) -> int:
 
     started_at = time.time()
     child = subprocess.Popen(command)
-    stop_signal = ""
+    stop_signal, stop_at, killed = "", 0.0, {}
 
     def forward(signum, _frame):
-        nonlocal stop_signal
+        nonlocal stop_signal, stop_at
         name = signal.Signals(signum).name
         if signum in TO_WORKERS and signal_workers(child.pid, signum):
-            stop_signal = stop_signal or name
+            if not stop_signal:
+                stop_signal, stop_at = name, time.monotonic()
             return
         child.send_signal(signum)  # no workers yet (or SIGHUP): the agent shuts down whatever it started
 
@@ -145,10 +191,27 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, forward)
     while True:
         try:
-            rc = child.wait()
+            rc = child.wait(timeout=1.0)
             break
+        except subprocess.TimeoutExpired:
+            pass
         except InterruptedError:
             continue
+        if stop_signal and not killed and time.monotonic() - stop_at > args.kill_after:
+            # A worker that has not checkpointed and exited by now never will (blocked in a collective whose peer
+            # is gone, or stopped): SIGKILL, and say so with what it costs.
+            for pid in children(child.pid):
+                killed[pid] = worker_rank(pid)
+            signal_workers(child.pid, signal.SIGKILL)
+            report = escalation_report(
+                stop_signal, time.monotonic() - stop_at, killed, read_status(args.status)
+            )
+            print(f"eagle3.launch: {report['message']}", file=sys.stderr, flush=True)
+            try:
+                with open(os.path.join(os.path.dirname(args.status), "last-stop.json"), "w") as f:
+                    json.dump(report, f)
+            except OSError:
+                pass
     rc = 128 - rc if rc < 0 else rc  # killed by signal N: report 128+N, as a shell would
     status = read_status(args.status)
     final = exit_status(rc, status, started_at)

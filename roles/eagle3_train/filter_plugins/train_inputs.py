@@ -53,6 +53,7 @@ VARIABLES: dict[str, dict] = {
     "eagle3_train_health_poll": {"kind": "int", "min": 1},
     "eagle3_train_stall_timeout": {"kind": "int", "min": 1},
     "eagle3_train_stop_timeout": {"kind": "int", "min": 1},
+    "eagle3_train_kill_after": {"kind": "int", "min": 1},
     "eagle3_train_restart_sec": {"kind": "int", "min": 0},
     "eagle3_train_restart_delays": {"kind": "int_list", "min": 0},
     "eagle3_train_restart_limit": {"kind": "int", "min": 1},

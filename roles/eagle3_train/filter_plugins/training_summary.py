@@ -72,6 +72,8 @@ def training_summary(
     ]
     if run.get("reason") and state != "running":
         lines.append(f"reason: {run['reason']}")
+    if (r.get("last_stop") or {}).get("message"):
+        lines.append(f"last stop: {r['last_stop']['message']}")
     if "step" in s:
         resumed = f", resumed from step {s['resumed_from_step']}" if s.get("resumed_from_step") else ""
         ckpt = ""
