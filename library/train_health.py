@@ -149,6 +149,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.restart_backoff import STATE_FILE as BACKOFF_FILE
 from ansible.module_utils.restart_backoff import read_state as read_backoff
 from ansible.module_utils.run_lock import LockError, renew
 from ansible.module_utils.train_status import (
@@ -260,7 +261,7 @@ def main():
         # Restarting after a failure (the unit's restart record counts them): a crash loop, said now with the last
         # exit's reason, not after the whole timeout.
         if kind == "waiting" and unit.get("ActiveState") == "activating":
-            record = read_backoff(os.path.join(p["run_dir"], "restart-backoff.json"))
+            record = read_backoff(os.path.join(p["run_dir"], BACKOFF_FILE))
             if int(record.get("failures") or 0) >= 1:
                 last = record.get("last_exit") or {}
                 kind, message = (

@@ -106,10 +106,10 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.procs import holders
+from ansible.module_utils.restart_backoff import STATE_FILE as BACKOFF_FILE
 from ansible.module_utils.restart_backoff import read_state
 from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state
 
-BACKOFF_FILE = "restart-backoff.json"
 LAST_STOP_FILE = "last-stop.json"  # written by eagle3.launch when a stop had to SIGKILL workers
 
 

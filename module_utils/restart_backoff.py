@@ -30,6 +30,8 @@ import tempfile
 import time
 
 DEFAULT_DELAYS = (10.0, 30.0, 90.0, 270.0, 600.0)
+# Its name in the trainer's run directory (the unit template passes the path; tests/test_contracts.py checks it).
+STATE_FILE = "restart-backoff.json"
 
 # What the journal says when the trainer's own status.json could not (a rank killed, rendezvous, NCCL).
 JOURNAL_REASONS = (

@@ -1,5 +1,6 @@
 """Facts stated in more than one place are held to their one source: a copy that drifts fails here.
 
+- The restart record's file name: module_utils/restart_backoff.STATE_FILE; the unit template and the role name it.
 - Exit codes: training/eagle3/errors.py is the source. module_utils/train_status.py (the target side is stdlib only
   and cannot import the trainer), eagle3.launch's error-kind map and the unit template's RestartPreventExitStatus=
   must agree with it.
@@ -11,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from module_utils import train_status
+from module_utils import restart_backoff, train_status
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
@@ -48,3 +49,13 @@ def test_the_unit_never_restarts_exactly_the_exits_a_restart_cannot_fix():
         errors.EXIT_HANG not in train_status.NO_RESTART_EXITS
         and errors.EXIT_CRASH not in train_status.NO_RESTART_EXITS
     )
+
+
+def test_the_unit_and_the_role_use_the_restart_records_one_name():
+    for path in (
+        "roles/eagle3_train/templates/eagle3-train.service.j2",
+        "roles/eagle3_train/tasks/service.yml",
+    ):
+        text = (ROOT / path).read_text()
+        named = set(re.findall(r"run_dir \}\}/([\w.-]+\.json)", text)) - {"status.json"}
+        assert named == {restart_backoff.STATE_FILE}, f"{path} names {named}"
