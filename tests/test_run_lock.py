@@ -542,19 +542,6 @@ def test_a_holder_elsewhere_is_neither_gone_nor_alive_only_its_lease_decides(tmp
 # --- train_health renews the lease while it waits -------------------------------------------------------------
 
 
-@pytest.fixture
-def fake_systemd(tmp_path, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    show = "ActiveState=active\nSubState=running\nResult=success\nExecMainStatus=0\nNRestarts=0\n"
-    (bindir / "systemctl").write_text(f"#!/bin/sh\nprintf '{show}'\n")
-    (bindir / "journalctl").write_text("#!/bin/sh\necho log line\n")
-    for f in bindir.iterdir():
-        f.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    return tmp_path
-
-
 def test_train_health_renews_the_lease_at_each_poll_and_fails_when_it_is_lost(fake_systemd, tmp_path, capsys):
     lock = tmp_path / "lock"
     write(lock, record(owner="run-a", renewed_ago=200, ttl=300))

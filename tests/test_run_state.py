@@ -153,20 +153,10 @@ def test_start_limit_says_it_gave_up_and_why():
     assert run["reason"] == "rendezvous: RendezvousTimeoutError"
 
 
-@pytest.fixture
-def fake_systemd(tmp_path, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (tmp_path / "show").write_text(
+def test_train_report_puts_unit_status_and_restart_record_together(fake_systemd, tmp_path, capsys):
+    (fake_systemd / "show").write_text(
         "ActiveState=failed\nSubState=failed\nResult=start-limit-hit\nNRestarts=7\n"
     )
-    (bindir / "systemctl").write_text(f"#!/bin/sh\ncat {tmp_path}/show\n")
-    (bindir / "systemctl").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    return tmp_path
-
-
-def test_train_report_puts_unit_status_and_restart_record_together(fake_systemd, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "status.json").write_text(json.dumps({"phase": "failed", "step": 12, "updated": time.time()}))

@@ -98,23 +98,6 @@ def test_oom_message_names_the_length_that_failed():
     assert "max_seq_len=24576" in msg
 
 
-@pytest.fixture
-def fake_systemd(tmp_path, monkeypatch):
-    """systemctl/journalctl stand-ins that answer from files the test writes."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (tmp_path / "show").write_text(
-        "ActiveState=active\nSubState=running\nResult=success\nExecMainStatus=0\n"
-        "NRestarts=0\nExecMainStartTimestampMonotonic=0\nInvocationID=\n"
-    )
-    (bindir / "systemctl").write_text(f"#!/bin/sh\ncat {tmp_path}/show\n")
-    (bindir / "journalctl").write_text('#!/bin/sh\nfor i in $(seq 1 40); do echo "log line $i"; done\n')
-    for f in bindir.iterdir():
-        f.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    return tmp_path
-
-
 def test_train_health_returns_when_steps_are_done(fake_systemd, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
