@@ -226,7 +226,9 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
         return out
     if active == "failed" or (active == "inactive" and result not in ("", "success")):
         out["state"] = "failed"
-        if result == "start-limit-hit":
+        if result == "start-limit-hit" or failures > 1:
+            # systemd stops restarting at StartLimitBurst=; the unit then reads failed (result exit-code or
+            # start-limit-hit) after several failed runs in a row.
             out["detail"] = f"gave up: the unit hit its start limit after {failures} failed run(s) in a row"
         else:
             out["detail"] = f"unit {active} (result {result or '?'})"

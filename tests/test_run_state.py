@@ -141,6 +141,16 @@ def test_one_state_per_situation(unit, status, backoff, state):
     assert train_status.run_state(status, unit, backoff, started_at=50.0, now=110.0)["state"] == state
 
 
+def test_a_failed_unit_after_several_failed_runs_gave_up():
+    """systemd leaves the unit failed with result exit-code when the restart would pass StartLimitBurst."""
+    run = train_status.run_state(
+        None, {"ActiveState": "failed", "Result": "exit-code"}, {"failures": 5}, started_at=0.0, now=1.0
+    )
+    assert run["state"] == "failed" and run["detail"].startswith(
+        "gave up: the unit hit its start limit after 5"
+    )
+
+
 def test_start_limit_says_it_gave_up_and_why():
     run = train_status.run_state(
         None,
