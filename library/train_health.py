@@ -157,6 +157,7 @@ from ansible.module_utils.train_status import (
     is_fresh,
     last_log_lines,
     read_status,
+    run_state,
     status_path,
     unit_state,
     verdict,
@@ -258,18 +259,16 @@ def main():
             started_at=started_at - 1.0,
             max_seq_len=p["max_seq_len"],
         )
-        # Restarting after a failure (the unit's restart record counts them): a crash loop, said now with the last
-        # exit's reason, not after the whole timeout.
+        # Restarting after a failure: the run's state (train_status.run_state, which status.yml shows too) is
+        # crash-looping, said now with the last exit's reason, not after the whole timeout.
         if kind == "waiting" and unit.get("ActiveState") == "activating":
             record = read_backoff(os.path.join(p["run_dir"], BACKOFF_FILE))
-            if int(record.get("failures") or 0) >= 1:
-                last = record.get("last_exit") or {}
-                kind, message = (
-                    "crash",
-                    (
-                        f"crash loop: {record['failures']} failed run(s) in a row, systemd restarts it with a growing "
-                        f"delay; last exit: {last.get('reason', '?')}: {last.get('message', '')}"
-                    ),
+            run = run_state(status, unit, record, started_at, time.time())
+            if run["state"] == "crash-looping":
+                kind = "crash"
+                message = (
+                    f"crash loop: {record['failures']} failed run(s) in a row, systemd restarts it with a growing "
+                    f"delay; last exit: {run['reason'] or '?'}"
                 )
         # A run that was already going before this wait (train.yml found nothing to change) is healthy only once
         # it is seen to advance now: steps completed an hour ago say nothing about a run stuck since.

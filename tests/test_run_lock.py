@@ -9,7 +9,6 @@ another host's is not, check mode leaves nothing, and a failure names the holder
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ansible.module_utils.testing import patch_module_args
+from test_train_control import load, run_module
 
 from module_utils import run_lock
 
@@ -31,25 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOOKUP = ROOT / "roles" / "run_lock" / "lookup_plugins" / "run_lock_controller.py"
 
 
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 controller = load(LOOKUP, "run_lock_controller_lookup")
-
-
-def run_module(name: str, args: dict, capsys) -> tuple[dict, int]:
-    mod = load(ROOT / "library" / f"{name}.py", f"lib_{name}")
-    with patch_module_args(args), pytest.raises(SystemExit) as exc:
-        mod.main()
-    captured = capsys.readouterr()
-    result = json.loads(captured.out)
-    # Module warnings land in the result, or on the display once controller-side Ansible code was imported.
-    result["_warnings_text"] = json.dumps(result.get("warnings", [])) + captured.err
-    return result, exc.value.code
 
 
 def record(owner="other-run", renewed_ago=0.0, ttl=300, **kw) -> dict:
