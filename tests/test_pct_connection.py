@@ -182,3 +182,32 @@ def test_pct_local_rejects_non_integer_vmid():
     )
     assert proc.returncode == 2
     assert "vmid must be an integer" in proc.stderr
+
+
+@pytest.mark.parametrize(("pipelining", "max_calls"), [(None, 1), ("false", None)])
+def test_a_module_task_is_one_pct_exec_when_pipelining(fake_pct, tmp_path, pipelining, max_calls):
+    """A real ansible run through the plugin: pipelined by default (one exec per task), several execs without."""
+    script, log = fake_pct
+    argv = [
+        str(Path(sys.executable).parent / "ansible"), "all", "-i", "ct129,", "-c", "pct", "-m", "ansible.builtin.ping",
+        "-e", "pct_vmid=129", "-e", f"pct_command={script}", "-e", f"ansible_python_interpreter={sys.executable}",
+    ]  # fmt: skip
+    if pipelining is not None:
+        argv += ["-e", f"ansible_pipelining={pipelining}"]
+    env = {
+        **os.environ,
+        "ANSIBLE_CONNECTION_PLUGINS": str(ROOT / "plugins" / "connection"),
+        "ANSIBLE_REMOTE_TMP": str(tmp_path / "remote-tmp"),
+        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "local-tmp"),
+    }
+    (tmp_path / "ansible.cfg").write_text("[defaults]\n")
+    env["ANSIBLE_CONFIG"] = str(tmp_path / "ansible.cfg")
+    env.pop("ANSIBLE_PIPELINING", None)
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert '"ping": "pong"' in run.stdout
+    calls = log.read_text().splitlines()
+    if max_calls is not None:
+        assert len(calls) == max_calls, calls
+    else:
+        assert len(calls) >= 3, calls  # mkdir the remote tmp, copy the module, run it (and clean up)

@@ -63,6 +63,20 @@ options:
     default: pct
     vars:
       - name: pct_command
+  pipelining:
+    description:
+      - Send each module to the container on stdin and run it there in one C(pct exec), instead of creating a
+        temporary folder, copying the module into it, running it and removing it (four or five C(pct exec)s).
+      - Every C(pct exec) starts an C(lxc-attach); on a busy node pipelining makes a play several times faster.
+    type: bool
+    default: true
+    env:
+      - name: ANSIBLE_PIPELINING
+    ini:
+      - section: connection
+        key: pipelining
+    vars:
+      - name: ansible_pipelining
   command_timeout:
     description:
       - Seconds to wait for one command before giving up (0 waits forever, as ssh does for a running command).
