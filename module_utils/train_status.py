@@ -138,8 +138,29 @@ def status_path(run_dir: str) -> str:
 # --- one state for the whole run -------------------------------------------------------------------------
 
 RUN_STATES = ("running", "starting", "stopped", "finished", "failed", "crash-looping")
-# A stalled run is "running" with a stall note: no status update for this many expected intervals (and a floor).
+# A stalled run is "running" with a stall note: no status update for this many expected intervals (and a floor,
+# lowered to half the trainer's hang-watchdog bound so that a stall shows before the watchdog ends the run).
 STALL_FACTOR, STALL_FLOOR_S = 3.0, 120.0
+
+
+def stall_after(status: dict) -> float | None:
+    """Seconds without a status update after which a running trainer counts as stalled (None: no step time yet).
+
+    >>> stall_after({"step_time_s": 4.0, "log_every": 1})  # the floor
+    120.0
+    >>> stall_after({"step_time_s": 4.0, "log_every": 10})  # three update intervals
+    120.0
+    >>> stall_after({"step_time_s": 1.0, "log_every": 1, "watchdog_bound_s": 40})  # before the watchdog fires
+    20.0
+    """
+    interval = expected_update_interval(status)
+    if interval is None:
+        return None
+    floor = STALL_FLOOR_S
+    bound = float(status.get("watchdog_bound_s") or 0)
+    if bound > 0:
+        floor = min(floor, bound / 2)
+    return max(floor, STALL_FACTOR * interval)
 
 
 def expected_update_interval(status: dict) -> float | None:
@@ -202,6 +223,15 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
         out["state"] = "crash-looping"
         out["detail"] = f"{failures} failed run(s) in a row; restarting with a growing delay"
         return out
+    if active in ("active", "deactivating") and err:
+        # The trainer has reported its failure; the launcher is still collecting the other ranks.
+        out["state"] = "failed"
+        out["detail"] = "the run is ending" + (
+            "; the unit restarts it from the last checkpoint"
+            if err.get("kind") not in ("config", "oom")
+            else "; the unit does not restart it"
+        )
+        return out
     if active == "active" and not (fresh and s.get("phase") in ("training", "validating", "checkpointing")):
         out["state"] = "starting"
         out["detail"] = f"phase {s.get('phase')}" if fresh else "no status from this run yet"
@@ -214,11 +244,15 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
         return out
     if active == "active":
         out["state"] = "running"
-        interval = expected_update_interval(s)
+        interval, after = expected_update_interval(s), stall_after(s)
         silent = now - float(s.get("updated") or now)
-        if interval is not None and silent > max(STALL_FLOOR_S, STALL_FACTOR * interval):
+        if after is not None and silent > after:
             out["stalled"] = True
             out["detail"] = f"stalled: no step for {silent:.0f} s (expected about {interval:.0f} s)"
+            if s.get("watchdog_bound_s"):
+                out["detail"] += (
+                    f"; the hang watchdog ends the run after {float(s['watchdog_bound_s']):.0f} s"
+                )
         return out
     if active == "activating":
         out["state"] = "starting"

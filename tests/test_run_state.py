@@ -141,6 +141,29 @@ def test_one_state_per_situation(unit, status, backoff, state):
     assert train_status.run_state(status, unit, backoff, started_at=50.0, now=110.0)["state"] == state
 
 
+def test_a_stall_shows_before_the_hang_watchdog_ends_the_run():
+    """With a 40 s watchdog bound the stall note comes at 20 s (the 120 s floor would come after the restart)."""
+    status = {"phase": "training", "step": 9, "updated": 100.0, "step_time_s": 1.0, "log_every": 1,
+              "watchdog_bound_s": 40.0}  # fmt: skip
+    unit = {"ActiveState": "active", "SubState": "running"}
+    assert not train_status.run_state(status, unit, {}, started_at=50.0, now=119.0)["stalled"]
+    run = train_status.run_state(status, unit, {}, started_at=50.0, now=125.0)
+    assert run["stalled"] and run["state"] == "running"
+    assert run["detail"] == (
+        "stalled: no step for 25 s (expected about 1 s); the hang watchdog ends the run after 40 s"
+    )
+
+
+@pytest.mark.parametrize(("kind", "restarts"), [("hang", True), ("crash", True), ("oom", False)])
+def test_a_run_that_reported_its_failure_is_failed_while_the_unit_winds_down(kind, restarts):
+    status = {"phase": "failed", "step": 9, "updated": 100.0, "error": {"kind": kind, "message": "m"}}
+    run = train_status.run_state(
+        status, {"ActiveState": "active", "SubState": "running"}, {}, started_at=50.0, now=110.0
+    )
+    assert run["state"] == "failed" and run["reason"] == f"{kind}: m"
+    assert ("restarts it" in run["detail"]) is restarts
+
+
 def test_a_failed_unit_after_several_failed_runs_gave_up():
     """systemd leaves the unit failed with result exit-code when the restart would pass StartLimitBurst."""
     run = train_status.run_state(
