@@ -81,6 +81,14 @@ def test_a_stalled_run_shows_no_eta():
     )
     assert "stalled: no step for 600 s (expected about 4 s)" in lines[0]
     assert not any("ETA" in line for line in lines)
+    # The last measured rate is history, not a current rate: it is labelled so, never shown as "N tokens/s" alone.
+    rate_lines = [line for line in lines if "tokens/s" in line]
+    assert rate_lines and all(line.startswith("no current rate while stalled") for line in rate_lines)
+
+
+def test_a_running_run_after_a_failure_names_how_the_previous_run_ended():
+    text = "\n".join(summary.training_summary(report("running", reason="hang: no step for 45 s"), []))
+    assert "state: running" in text and "the previous run ended with hang: no step for 45 s" in text
 
 
 def test_gpu_holders_outside_the_unit_are_named_with_user_and_command():

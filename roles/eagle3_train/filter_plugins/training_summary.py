@@ -72,6 +72,8 @@ def training_summary(
     ]
     if run.get("reason") and state != "running":
         lines.append(f"reason: {run['reason']}")
+    elif run.get("reason"):
+        lines.append(f"the previous run ended with {run['reason']}")
     if (r.get("last_stop") or {}).get("message"):
         lines.append(f"last stop: {r['last_stop']['message']}")
     if "step" in s:
@@ -81,7 +83,12 @@ def training_summary(
             when = f" ({_ago(now - s['last_checkpoint_time'])})" if s.get("last_checkpoint_time") else ""
             ckpt = f"; last checkpoint step {s['last_checkpoint_step']}{when}"
         lines.append(f"step {s['step']} (epoch {s.get('epoch', 0)}){resumed}{ckpt}")
-    if state == "running":
+    if state == "running" and run.get("stalled"):
+        lines.append(
+            f"no current rate while stalled (the last steps ran at {_f(s.get('tokens_per_s'), ',.0f')} tokens/s, "
+            f"{_f(s.get('step_time_s'), '.2f')} s/step)"
+        )
+    elif state == "running":
         split = s.get("time_split") or {}
         lines.append(
             f"{_f(s.get('step_time_s'), '.2f')} s/step (fetch {_f(split.get('fetch'), '.2f')}, "
@@ -92,11 +99,7 @@ def training_summary(
             f"peak memory {_f(s.get('peak_mem_gb'), '.2f')} GB ({s.get('mem_kind', '?')})"
         )
         if s.get("loss") is not None:
-            eta = (
-                f"; ETA {_duration(s['eta_s'])}"
-                if s.get("eta_s") is not None and not run.get("stalled")
-                else ""
-            )
+            eta = f"; ETA {_duration(s['eta_s'])}" if s.get("eta_s") is not None else ""
             lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
     elif s.get("loss") is not None:
         lines.append(f"last loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}")
