@@ -30,6 +30,12 @@ options:
     description: Seconds to wait for C(systemctl stop) (the trainer saves a checkpoint on SIGTERM).
     type: float
     default: 120
+  stop_report:
+    description:
+      - A JSON file the job's own launcher writes when stopping it had to SIGKILL workers that ignored SIGTERM
+        (C({message, time, killed, steps_lost}); eagle3.launch writes C(last-stop.json) beside the trainer's status).
+      - When it was written during this cleanup, it is returned as C(unit.escalation) and named in RV(msg).
+    type: str
   marker:
     description: Environment marker C(NAME=VALUE) that every process of the job inherits.
     type: str
@@ -147,7 +153,9 @@ sweep_in_use:
   type: list
   elements: str
 unit:
-  description: The unit step ({name, state, stopped, message}); state C(no-systemd) or C(not-found) when skipped.
+  description:
+    - The unit step ({name, state, stopped, message, escalation}); state C(no-systemd) or C(not-found) when skipped.
+    - C(escalation) is the job launcher's O(stop_report) when this stop had to SIGKILL workers, else null.
   returned: always
   type: dict
 gpu_memory:
@@ -162,6 +170,7 @@ elapsed:
   type: float
 """
 
+import json
 import os
 import time
 
@@ -200,6 +209,7 @@ def argument_spec() -> dict:
             "default": ["/dev/shm/nccl-*", "/dev/shm/torch_*", "/tmp/torchelastic_*"],
         },
         "gpu_memory_tolerance_mib": {"type": "int", "default": 1024},
+        "stop_report": {"type": "str"},
     }
 
 
@@ -281,7 +291,9 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
 
     if selectors.unit and not check_mode:
         stop_bound = min(budget.stop, max(deadline - time.monotonic() - budget.kill, 1.0))
+        stop_began = time.time()
         unit = procs.stop_unit(selectors.unit, stop_bound)
+        unit["escalation"] = stop_escalation(p["stop_report"], stop_began)
     elif selectors.unit:
         unit = procs.unit_state(selectors.unit)
     else:
@@ -347,6 +359,32 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
     return result, failure(result)
 
 
+def stop_escalation(path: str | None, since: float) -> dict | None:
+    """The job launcher's account of a stop that had to SIGKILL, when it was written at or after ``since``.
+
+    >>> import json, tempfile, time
+    >>> f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    >>> json.dump({"message": "workers ignored SIGTERM for 60 s: rank 1 (pid 42) got SIGKILL", "time": 100.0}, f)
+    >>> f.close()
+    >>> stop_escalation(f.name, since=99.0)["message"]
+    'workers ignored SIGTERM for 60 s: rank 1 (pid 42) got SIGKILL'
+    >>> stop_escalation(f.name, since=101.0) is None  # an earlier stop's report
+    True
+    >>> stop_escalation("/nonexistent/last-stop.json", since=0) is None
+    True
+    """
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or float(report.get("time") or 0) < since:
+        return None
+    return report
+
+
 def summary(r: dict, check_mode: bool) -> str:
     """One readable line: what happened, counts first."""
     if check_mode:
@@ -362,8 +400,10 @@ def summary(r: dict, check_mode: bool) -> str:
             return f"{sum(x['used_mib'] or 0 for x in rows):.0f}" if rows is not None else "?"
 
         mem = f", GPU memory {total(g['before'])} -> {total(g['after'])} MiB"
+    escalated = (r["unit"].get("escalation") or {}).get("message")
     return (
-        f"unit {r['unit']['name'] or '-'}: {'stopped' if r['unit']['stopped'] else r['unit']['state']}; "
+        f"unit {r['unit']['name'] or '-'}: {'stopped' if r['unit']['stopped'] else r['unit']['state']}"
+        f"{f' (the stop escalated: {escalated})' if escalated else ''}; "
         f"{len(r['targets'])} target(s): {len(r['terminated'])} terminated, {len(r['killed'])} killed, "
         f"{len(r['unkillable'])} survived; {len(r['removed'])} file(s) swept; "
         f"verification: devices {'busy' if r['holders_after'] else 'free'}"

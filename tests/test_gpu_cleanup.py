@@ -300,3 +300,35 @@ def test_hanging_nvidia_smi_is_unverified_not_success(jobs, devices, args, capsy
     assert not job.alive() and not out.get("failed")
     assert out["gpu_memory"]["status"] == "unverified"
     assert "did not answer within 1 s" in out["gpu_memory"]["message"]
+
+
+def test_doctests():
+    import doctest
+
+    assert doctest.testmod(gpu_cleanup).failed == 0
+
+
+@pytest.mark.parametrize("written_during_the_stop", [True, False])
+def test_a_stop_that_escalated_is_named_in_the_summary(
+    args, capsys, tmp_path, monkeypatch, written_during_the_stop
+):
+    """The job's launcher writes last-stop.json when it had to SIGKILL a worker; a report from an earlier stop is
+    not news."""
+    report = tmp_path / "last-stop.json"
+    message = (
+        "workers ignored SIGTERM for 60 s: rank 1 (pid 4242) got SIGKILL; 3 step(s) since the last checkpoint"
+    )
+
+    def stop_unit(unit, timeout):
+        when = time.time() if written_during_the_stop else time.time() - 3600
+        report.write_text(json.dumps({"message": message, "time": when}))
+        return {"state": "active", "stopped": True, "message": f"stopped {unit} (was active)"}
+
+    monkeypatch.setattr(gpu_cleanup.procs, "stop_unit", stop_unit)
+    out = run(dict(args, unit="eagle3-test.service", stop_report=str(report)), capsys)
+    assert "failed" not in out, out["msg"]
+    if written_during_the_stop:
+        assert out["unit"]["escalation"]["message"] == message
+        assert f"(the stop escalated: {message})" in out["msg"]
+    else:
+        assert out["unit"]["escalation"] is None and "escalated" not in out["msg"]
