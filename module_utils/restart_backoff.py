@@ -34,7 +34,9 @@ DEFAULT_DELAYS = (10.0, 30.0, 90.0, 270.0, 600.0)
 STATE_FILE = "restart-backoff.json"
 
 # What the journal says when the trainer's own status.json could not (a rank killed, rendezvous, NCCL).
+# The launcher's own line about a killed agent comes first: it names the cause, the workers' errors follow from it.
 JOURNAL_REASONS = (
+    ("signal", re.compile(r"eagle3\.launch: the torchrun agent was killed by SIG\w+")),
     (
         "rendezvous",
         re.compile(r"Rendezvous\w*(Error|Timeout)|rendezvous .*(timed out|closed)|RendezvousTimeoutError"),
@@ -45,9 +47,14 @@ JOURNAL_REASONS = (
             r"NCCL (error|WARN)|ncclInternalError|ncclSystemError|ProcessGroupNCCL.*(timeout|Watchdog)"
         ),
     ),
-    ("collective timeout", re.compile(r"(Gloo|gloo).*(timed out|Timed out)|Connection closed by peer")),
+    ("collective timeout", re.compile(r"(Gloo|gloo).*(timed out|Timed out)")),
+    ("lost peer", re.compile(r"Connection (closed|reset) by peer")),
     ("oom", re.compile(r"OutOfMemoryError|CUDA out of memory|Cannot allocate memory")),
 )
+
+
+# The first words of this script's own journal lines (pre-start and post-stop below).
+OWN_LINES = ("restart back-off:", "run ended:")
 
 
 def delay_for(failures: int, delays: tuple[float, ...] = DEFAULT_DELAYS) -> float:
@@ -103,6 +110,11 @@ def classify_exit(env: dict, status: dict | None, started: float, journal: list[
     >>> classify_exit({"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "1"}, None, 10,
     ...               ["torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"])
     ('rendezvous', 'torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError')
+    >>> classify_exit({"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "137"}, None, 10,
+    ...               ["RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:21417",
+    ...                "eagle3.launch: the torchrun agent was killed by SIGKILL; unit exit status 137",
+    ...                "restart back-off: failure 1 in a row (last: crash: Connection closed by peer)"])
+    ('signal', 'eagle3.launch: the torchrun agent was killed by SIGKILL; unit exit status 137')
     """
     result = env.get("SERVICE_RESULT", "")
     if result == "success":
@@ -112,6 +124,8 @@ def classify_exit(env: dict, status: dict | None, started: float, journal: list[
     if error:
         return str(error.get("kind") or "crash"), str(error.get("message") or "")
     code, value = env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", "")
+    # This script's own lines quote earlier runs' messages: they say nothing about this run.
+    journal = [line for line in journal if not line.startswith(OWN_LINES)]
     for reason, pattern in JOURNAL_REASONS:
         hit = next((line for line in reversed(journal) if pattern.search(line)), None)
         if hit:

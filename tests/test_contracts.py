@@ -1,6 +1,8 @@
 """Facts stated in more than one place are held to their one source: a copy that drifts fails here.
 
 - The restart record's file name: module_utils/restart_backoff.STATE_FILE; the unit template and the role name it.
+- The launcher's report of an escalated stop: eagle3.launch.LAST_STOP_FILE; train_report and gpu_cleanup's default
+  read it.
 - Exit codes: training/eagle3/errors.py is the source. module_utils/train_status.py (the target side is stdlib only
   and cannot import the trainer), eagle3.launch's error-kind map and the unit template's RestartPreventExitStatus=
   must agree with it.
@@ -58,4 +60,15 @@ def test_the_unit_and_the_role_use_the_restart_records_one_name():
     ):
         text = (ROOT / path).read_text()
         named = set(re.findall(r"run_dir \}\}/([\w.-]+\.json)", text)) - {"status.json"}
-        assert named == {restart_backoff.STATE_FILE}, f"{path} names {named}"
+        assert restart_backoff.STATE_FILE in named, f"{path} names {named}"
+        assert named <= {restart_backoff.STATE_FILE, launch.LAST_STOP_FILE}, f"{path} names {named}"
+
+
+def test_the_launchers_stop_report_has_one_name():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_report", ROOT / "library" / "train_report.py")
+    source = spec.loader.get_source("train_report")
+    assert f'LAST_STOP_FILE = "{launch.LAST_STOP_FILE}"' in source
+    defaults = (ROOT / "roles" / "gpu_cleanup" / "defaults" / "main.yml").read_text()
+    assert re.search(rf"^gpu_cleanup_stop_report: \S+/{re.escape(launch.LAST_STOP_FILE)}$", defaults, re.M)

@@ -35,6 +35,8 @@ from eagle3.errors import EXIT_CONFIG, EXIT_HANG, EXIT_OOM
 # The trainer's error kinds that have an exit status of their own (eagle3/errors.py is the one source).
 EXIT_BY_ERROR_KIND = {"config": EXIT_CONFIG, "oom": EXIT_OOM, "hang": EXIT_HANG}
 TO_WORKERS = (signal.SIGTERM, signal.SIGINT)  # the trainer checkpoints on these; SIGHUP goes to the agent
+# Beside status.json when a stop had to SIGKILL workers; status.yml and cleanup read it (tests/test_contracts.py).
+LAST_STOP_FILE = "last-stop.json"
 
 
 def exit_status(torchrun_rc: int, status: dict | None, started_at: float) -> int:
@@ -99,15 +101,19 @@ def signal_workers(agent_pid: int, signum: int) -> list[int]:
     return sent
 
 
-def outcome_line(rc: int, final: int, stop_signal: str, status: dict | None) -> str:
-    """The one line the launcher logs at the end.
+def outcome_line(rc: int, final: int, stop_signal: str, status: dict | None, agent_signal: str = "") -> str:
+    """The one line the launcher logs at the end (``agent_signal``: the signal that killed torchrun's agent).
 
     >>> outcome_line(0, 0, "SIGTERM", {"phase": "stopped", "step": 7, "last_checkpoint_step": 7})
     'eagle3.launch: stopped on SIGTERM; trainer checkpointed at step 7'
     >>> outcome_line(1, 3, "", {"phase": "failed", "error": {"kind": "oom"}})
     'eagle3.launch: torchrun exited 1; unit exit status 3 (trainer error: oom)'
+    >>> outcome_line(137, 137, "", {"phase": "training"}, agent_signal="SIGKILL")
+    'eagle3.launch: the torchrun agent was killed by SIGKILL; unit exit status 137'
     """
     status = status or {}
+    if agent_signal and not stop_signal:
+        return f"eagle3.launch: the torchrun agent was killed by {agent_signal}; unit exit status {final}"
     if stop_signal and final == 0 and status.get("phase") == "stopped":
         step = status.get("last_checkpoint_step", status.get("step"))
         return f"eagle3.launch: stopped on {stop_signal}; trainer checkpointed at step {step}"
@@ -208,14 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"eagle3.launch: {report['message']}", file=sys.stderr, flush=True)
             try:
-                with open(os.path.join(os.path.dirname(args.status), "last-stop.json"), "w") as f:
+                with open(os.path.join(os.path.dirname(args.status), LAST_STOP_FILE), "w") as f:
                     json.dump(report, f)
             except OSError:
                 pass
+    agent_signal = signal.Signals(-rc).name if rc < 0 else ""
     rc = 128 - rc if rc < 0 else rc  # killed by signal N: report 128+N, as a shell would
     status = read_status(args.status)
     final = exit_status(rc, status, started_at)
-    print(outcome_line(rc, final, stop_signal, status), file=sys.stderr, flush=True)
+    print(outcome_line(rc, final, stop_signal, status, agent_signal), file=sys.stderr, flush=True)
     return final
 
 
