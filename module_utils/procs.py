@@ -8,6 +8,17 @@ training unit.  Why /proc and not ``ps``/``fuser``/psutil: psmisc may be missing
 Process identity is ``(pid, start_time)`` (field 22 of /proc/PID/stat, clock ticks since boot): a PID
 that was reused by another process after our scan is never signalled.
 
+The file reads top to bottom in the order a cleanup runs (each section opens with its main function):
+
+1. Selection: which processes belong to the job, hold GPU devices or are protected.
+   ``select_targets`` (``Selectors``, ``untouchable``, ``name_matches``, ``device_paths``, ``descendants``).
+2. Signalling: stop the unit, TERM, wait, SIGCONT+KILL, re-scan for respawns.
+   ``stop_unit``, ``terminate`` (``Budget``, ``send_signal``, ``wait_exited``, ``kill_and_wait``).
+3. Verification: what is left afterwards.  ``holders`` (also the CLI), ``unkillable``, ``unreaped``,
+   and stale files: ``referenced_paths``, ``sweep_candidates``, ``remove_path``.
+4. Reading /proc, shared by the stages: ``scan``, ``read_proc``, ``read_cmdline``, ``fd_paths``, ...
+5. The pre-start guard CLI: ``main``.
+
 Pre-start guard CLI (stable; the training role deploys this file and runs it as ExecStartPre)::
 
     python3 procs.py holders --devices GLOB [GLOB ...] [--exclude-cgroup-of-unit UNIT] [--protect NAME ...]
@@ -43,6 +54,8 @@ COMM_LEN = 15
 EXITED_STATES = ("Z", "X", "x")
 # Uninterruptible sleep: SIGKILL is queued but only acts when the kernel call returns.
 UNINTERRUPTIBLE_STATES = ("D",)
+# systemd ActiveState values of a unit that still has (or is about to have) processes to stop.
+ACTIVE_STATES = ("active", "activating", "deactivating", "reloading", "refreshing")
 
 
 @dataclass(frozen=True)
@@ -62,273 +75,7 @@ class Proc:
         return (self.pid, self.start_time)
 
 
-# --------------------------------------------------------------------------- reading /proc
-
-
-def parse_stat(text: str) -> Proc:
-    """Parse the content of /proc/PID/stat.
-
-    The name sits in parentheses and may itself contain spaces and ')', so split at the last ')'.
-
-    >>> p = parse_stat("42 (pt worker) S 7 42 42 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 98765 0 0")
-    >>> (p.pid, p.name, p.state, p.ppid, p.pgid, p.sid, p.start_time)
-    (42, 'pt worker', 'S', 7, 42, 42, 98765)
-    """
-    head, _, tail = text.rpartition(")")
-    pid_text, _, name = head.partition(" (")
-    fields = tail.split()
-    # fields[0] is field 3 (state); field N of proc(5) is fields[N - 3].
-    return Proc(
-        pid=int(pid_text),
-        ppid=int(fields[1]),
-        pgid=int(fields[2]),
-        sid=int(fields[3]),
-        name=name,
-        state=fields[0],
-        start_time=int(fields[19]),
-    )
-
-
-def read_proc(pid: int, proc: str = PROC) -> Proc | None:
-    """The process now at ``pid``, or None when there is none."""
-    try:
-        with open(f"{proc}/{pid}/stat") as f:
-            return parse_stat(f.read())
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def list_pids(proc: str = PROC) -> list[int]:
-    return sorted(int(d) for d in os.listdir(proc) if d.isdigit())
-
-
-def scan(proc: str = PROC) -> dict[int, Proc]:
-    """All processes now visible, by pid (processes that exit during the scan are skipped)."""
-    found = {}
-    for pid in list_pids(proc):
-        p = read_proc(pid, proc)
-        if p is not None:
-            found[pid] = p
-    return found
-
-
-def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def read_cmdline(pid: int, proc: str = PROC) -> list[str]:
-    """argv of ``pid`` ([] for kernel threads, zombies and vanished processes)."""
-    raw = _read_bytes(f"{proc}/{pid}/cmdline")
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a] if raw else []
-
-
-def read_environ(pid: int, proc: str = PROC) -> list[str]:
-    """The environment ``pid`` was started with, as NAME=VALUE strings (later setenv calls do not show)."""
-    raw = _read_bytes(f"{proc}/{pid}/environ")
-    return [e.decode(errors="replace") for e in raw.split(b"\0") if e]
-
-
-def read_wchan(pid: int, proc: str = PROC) -> str:
-    """Kernel function a sleeping process waits in ('' when unknown or running)."""
-    w = _read_bytes(f"{proc}/{pid}/wchan").decode(errors="replace").strip()
-    return "" if w == "0" else w
-
-
-def read_cgroup(pid: int, proc: str = PROC) -> str:
-    return _read_bytes(f"{proc}/{pid}/cgroup").decode(errors="replace")
-
-
-def parse_marker(marker: str) -> tuple[str, str]:
-    """Split an environment marker ``NAME=VALUE``; raise ValueError with a fix for anything else.
-
-    >>> parse_marker("EAGLE3_JOB=eagle3-train")
-    ('EAGLE3_JOB', 'eagle3-train')
-    >>> parse_marker("EAGLE3_JOB")
-    Traceback (most recent call last):
-    ...
-    ValueError: marker 'EAGLE3_JOB' is not NAME=VALUE (for example EAGLE3_JOB=eagle3-train)
-    """
-    name, sep, value = marker.partition("=")
-    if not sep or not value or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-        raise ValueError(f"marker {marker!r} is not NAME=VALUE (for example EAGLE3_JOB=eagle3-train)")
-    return name, value
-
-
-def in_unit_cgroup(cgroup_text: str, unit: str) -> bool:
-    """Whether a /proc/PID/cgroup content places the process in ``unit`` (or a cgroup below it).
-
-    Only systemd's own hierarchies count: the cgroup v2 line (``0::``) and the v1 ``name=systemd`` one.
-
-    >>> in_unit_cgroup("0::/system.slice/eagle3-train.service\\n", "eagle3-train.service")
-    True
-    >>> in_unit_cgroup("1:name=systemd:/system.slice/eagle3-train.service/payload\\n0::/\\n", "eagle3-train.service")
-    True
-    >>> in_unit_cgroup("4:memory:/system.slice/eagle3-train.service\\n0::/user.slice\\n", "eagle3-train.service")
-    False
-    """
-    for line in cgroup_text.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        systemd_hierarchy = hierarchy == "0" or "name=systemd" in controllers.split(",")
-        if systemd_hierarchy and unit in path.split("/"):
-            return True
-    return False
-
-
-def parse_maps_paths(text: str) -> set[str]:
-    """Paths mapped in a /proc/PID/maps content (anonymous and pseudo mappings left out).
-
-    >>> sorted(parse_maps_paths(
-    ...     "7f00-7f10 rw-s 00000000 00:05 12 /dev/nvidia0\\n"
-    ...     "7f10-7f20 rw-p 00000000 00:00 0 \\n"
-    ...     "7f20-7f30 rw-s 00000000 00:05 13 /dev/shm/nccl-x (deleted)\\n"
-    ...     "7ffc-7ffd rw-p 00000000 00:00 0 [stack]\\n"))
-    ['/dev/nvidia0', '/dev/shm/nccl-x']
-    """
-    paths = set()
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            path = parts[5]
-            if path.endswith(" (deleted)"):
-                path = path[: -len(" (deleted)")]
-            paths.add(path)
-    return paths
-
-
-def fd_paths(pid: int, proc: str = PROC) -> set[str]:
-    """Targets of the open file descriptors of ``pid`` that are filesystem paths."""
-    paths = set()
-    fd_dir = f"{proc}/{pid}/fd"
-    try:
-        fds = os.listdir(fd_dir)
-    except OSError:
-        return paths
-    for fd in fds:
-        try:
-            target = os.readlink(f"{fd_dir}/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/"):
-            paths.add(target[: -len(" (deleted)")] if target.endswith(" (deleted)") else target)
-    return paths
-
-
-def open_paths(pid: int, proc: str = PROC) -> set[str]:
-    """Every path ``pid`` holds: open fds, memory maps and its working directory.
-
-    DataLoader workers forked after CUDA init inherit the device fds; a mapping alone also pins a device.
-    """
-    paths = fd_paths(pid, proc) | parse_maps_paths(_read_bytes(f"{proc}/{pid}/maps").decode(errors="replace"))
-    try:
-        paths.add(os.readlink(f"{proc}/{pid}/cwd"))
-    except OSError:
-        pass
-    return paths
-
-
-def match_globs(paths: set[str], globs: list[str]) -> list[str]:
-    """Sorted paths that match any glob (``*`` also crosses ``/``, as in fnmatch).
-
-    >>> match_globs({"/dev/nvidia0", "/dev/nvidia-uvm", "/dev/null"}, ["/dev/nvidia[0-9]*", "/dev/nvidia-uvm"])
-    ['/dev/nvidia-uvm', '/dev/nvidia0']
-    """
-    return sorted(p for p in paths if any(fnmatch.fnmatchcase(p, g) for g in globs))
-
-
-def device_paths(pid: int, globs: list[str], proc: str = PROC) -> list[str]:
-    """Paths matching ``globs`` that ``pid`` holds as an fd or a memory map (not as its cwd)."""
-    if not globs:
-        return []
-    held = fd_paths(pid, proc) | parse_maps_paths(_read_bytes(f"{proc}/{pid}/maps").decode(errors="replace"))
-    return match_globs(held, globs)
-
-
-def name_matches(name: str, argv0: str, patterns: list[str]) -> bool:
-    """Whether a process named ``name`` (its comm) or started as ``argv0`` matches a protect pattern.
-
-    comm is cut to 15 characters, so a full-length name is also compared against the cut pattern.
-
-    >>> name_matches("nvidia-persiste", "", ["nvidia-persistenced"])
-    True
-    >>> name_matches("systemd-journal", "/lib/systemd/systemd-journald", ["systemd*"])
-    True
-    >>> name_matches("python3", "/usr/bin/python3", ["sshd", "dcgm*"])
-    False
-    """
-    candidates = [name, os.path.basename(argv0)] if argv0 else [name]
-    for pattern in patterns:
-        if any(fnmatch.fnmatchcase(c, pattern) for c in candidates if c):
-            return True
-        if len(name) == COMM_LEN and fnmatch.fnmatchcase(name, pattern[:COMM_LEN] + "*"):
-            return True
-    return False
-
-
-def descendants(roots: set[int], procs: dict[int, Proc]) -> set[int]:
-    """PIDs below ``roots`` in the parent tree (roots excluded).
-
-    >>> tree = {p: Proc(p, pp, p, p, "x", "S", 0) for p, pp in [(10, 1), (11, 10), (12, 11), (20, 1)]}
-    >>> sorted(descendants({10}, tree))
-    [11, 12]
-    """
-    children: dict[int, list[int]] = {}
-    for p in procs.values():
-        children.setdefault(p.ppid, []).append(p.pid)
-    found: set[int] = set()
-    stack = list(roots)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found and child not in roots:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def ancestors(pid: int, procs: dict[int, Proc]) -> list[int]:
-    """The parent chain of ``pid`` up to PID 1 (or the top of this PID namespace).
-
-    >>> tree = {p: Proc(p, pp, p, p, "x", "S", 0) for p, pp in [(1, 0), (10, 1), (11, 10)]}
-    >>> ancestors(11, tree)
-    [10, 1]
-    """
-    chain = []
-    seen = {pid}
-    p = procs.get(pid) or read_proc(pid)
-    while p is not None and p.ppid > 0 and p.ppid not in seen:
-        chain.append(p.ppid)
-        seen.add(p.ppid)
-        p = procs.get(p.ppid) or read_proc(p.ppid)
-    return chain
-
-
-def untouchable(procs: dict[int, Proc], self_pid: int | None = None) -> dict[int, str]:
-    """PIDs that are never signalled whatever the options, with the reason.
-
-    PID <= 1, this process, its ancestors (ansible, the connection, the shell) and its process group.
-    """
-    self_pid = os.getpid() if self_pid is None else self_pid
-    me = procs.get(self_pid) or read_proc(self_pid)
-    pgid = me.pgid if me else os.getpgid(self_pid)
-    never = {pid: "pid <= 1" for pid in procs if pid <= 1}
-    for pid in (p.pid for p in procs.values() if p.pgid == pgid):
-        never[pid] = "in this module's process group"
-    for pid in ancestors(self_pid, procs):
-        never[pid] = "ancestor of this module"
-    never[self_pid] = "this module"
-    return never
-
-
-def is_kernel_thread(p: Proc) -> bool:
-    # kthreadd is PID 2 in the root namespace; kernel threads have it as parent and no argv.
-    return p.pid == 2 or p.ppid == 2
-
-
-# --------------------------------------------------------------------------- selecting targets
+# =========================================================================== 1. selection
 
 
 @dataclass
@@ -360,14 +107,14 @@ class Target:
 
 
 def select_targets(
-    sel: Selectors, procs: dict[int, Proc] | None = None, self_pid: int | None = None, proc: str = PROC
+    sel: Selectors, self_pid: int | None = None, proc: str = PROC
 ) -> tuple[list[Target], list[dict], list[dict]]:
     """Processes of the job, and those that matched but are protected (never signalled).
 
     Returns (targets, protected, zombies): protected is [{pid, name, reasons, why}]; zombies are exited
     descendants of the job ([{pid, ppid, name}]), not targets: no signal reaches them, their parent reaps.
     """
-    procs = scan(proc) if procs is None else procs
+    procs = scan(proc)
     never = untouchable(procs, self_pid)
     marker = None
     if sel.marker:
@@ -418,9 +165,100 @@ def select_targets(
     return targets, protected, zombies
 
 
-def _argv0(pid: int, proc: str = PROC) -> str:
-    argv = read_cmdline(pid, proc)
-    return argv[0] if argv else ""
+# --------------------------------------------------------------------------- the selectors' options
+
+
+def parse_marker(marker: str) -> tuple[str, str]:
+    """Split an environment marker ``NAME=VALUE``; raise ValueError with a fix for anything else.
+
+    >>> parse_marker("EAGLE3_JOB=eagle3-train")
+    ('EAGLE3_JOB', 'eagle3-train')
+    >>> parse_marker("EAGLE3_JOB")
+    Traceback (most recent call last):
+    ...
+    ValueError: marker 'EAGLE3_JOB' is not NAME=VALUE (for example EAGLE3_JOB=eagle3-train)
+    """
+    name, sep, value = marker.partition("=")
+    if not sep or not value or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"marker {marker!r} is not NAME=VALUE (for example EAGLE3_JOB=eagle3-train)")
+    return name, value
+
+
+def compile_patterns(patterns: list[str]) -> list[re.Pattern]:
+    """Compile ``match_cmdline`` regexes; ValueError names the bad one.
+
+    >>> compile_patterns(["eagle3 train("])
+    Traceback (most recent call last):
+    ...
+    ValueError: match_cmdline regex 'eagle3 train(' is invalid: missing ), unterminated subpattern at position 12
+    """
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as e:
+            raise ValueError(f"match_cmdline regex {pattern!r} is invalid: {e}") from None
+    return compiled
+
+
+# --------------------------------------------------------------------------- belonging to the job
+
+
+def in_unit_cgroup(cgroup_text: str, unit: str) -> bool:
+    """Whether a /proc/PID/cgroup content places the process in ``unit`` (or a cgroup below it).
+
+    Only systemd's own hierarchies count: the cgroup v2 line (``0::``) and the v1 ``name=systemd`` one.
+
+    >>> in_unit_cgroup("0::/system.slice/eagle3-train.service\\n", "eagle3-train.service")
+    True
+    >>> in_unit_cgroup("1:name=systemd:/system.slice/eagle3-train.service/payload\\n0::/\\n", "eagle3-train.service")
+    True
+    >>> in_unit_cgroup("4:memory:/system.slice/eagle3-train.service\\n0::/user.slice\\n", "eagle3-train.service")
+    False
+    """
+    for line in cgroup_text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        systemd_hierarchy = hierarchy == "0" or "name=systemd" in controllers.split(",")
+        if systemd_hierarchy and unit in path.split("/"):
+            return True
+    return False
+
+
+def device_paths(pid: int, globs: list[str], proc: str = PROC) -> list[str]:
+    """Paths matching ``globs`` that ``pid`` holds as an fd or a memory map (not as its cwd)."""
+    if not globs:
+        return []
+    return match_globs(held_paths(pid, proc), globs)
+
+
+def match_globs(paths: set[str], globs: list[str]) -> list[str]:
+    """Sorted paths that match any glob (``*`` also crosses ``/``, as in fnmatch).
+
+    >>> match_globs({"/dev/nvidia0", "/dev/nvidia-uvm", "/dev/null"}, ["/dev/nvidia[0-9]*", "/dev/nvidia-uvm"])
+    ['/dev/nvidia-uvm', '/dev/nvidia0']
+    """
+    return sorted(p for p in paths if any(fnmatch.fnmatchcase(p, g) for g in globs))
+
+
+def descendants(roots: set[int], procs: dict[int, Proc]) -> set[int]:
+    """PIDs below ``roots`` in the parent tree (roots excluded).
+
+    >>> tree = {p: Proc(p, pp, p, p, "x", "S", 0) for p, pp in [(10, 1), (11, 10), (12, 11), (20, 1)]}
+    >>> sorted(descendants({10}, tree))
+    [11, 12]
+    """
+    children: dict[int, list[int]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found and child not in roots:
+                found.add(child)
+                stack.append(child)
+    return found
 
 
 def _root_of(pid: int, roots: set[int], procs: dict[int, Proc]) -> int:
@@ -433,19 +271,258 @@ def _root_of(pid: int, roots: set[int], procs: dict[int, Proc]) -> int:
     return -1
 
 
+def is_kernel_thread(p: Proc) -> bool:
+    # kthreadd is PID 2 in the root namespace; kernel threads have it as parent and no argv.
+    return p.pid == 2 or p.ppid == 2
+
+
+# --------------------------------------------------------------------------- protected: never signalled
+
+
+def untouchable(procs: dict[int, Proc], self_pid: int | None = None) -> dict[int, str]:
+    """PIDs that are never signalled whatever the options, with the reason.
+
+    PID <= 1, this process, its ancestors (ansible, the connection, the shell) and its process group.
+    """
+    self_pid = os.getpid() if self_pid is None else self_pid
+    me = procs.get(self_pid) or read_proc(self_pid)
+    pgid = me.pgid if me else os.getpgid(self_pid)
+    never = {pid: "pid <= 1" for pid in procs if pid <= 1}
+    for pid in (p.pid for p in procs.values() if p.pgid == pgid):
+        never[pid] = "in this module's process group"
+    for pid in ancestors(self_pid, procs):
+        never[pid] = "ancestor of this module"
+    never[self_pid] = "this module"
+    return never
+
+
+def ancestors(pid: int, procs: dict[int, Proc]) -> list[int]:
+    """The parent chain of ``pid`` up to PID 1 (or the top of this PID namespace).
+
+    >>> tree = {p: Proc(p, pp, p, p, "x", "S", 0) for p, pp in [(1, 0), (10, 1), (11, 10)]}
+    >>> ancestors(11, tree)
+    [10, 1]
+    """
+    chain = []
+    seen = {pid}
+    p = procs.get(pid) or read_proc(pid)
+    while p is not None and p.ppid > 0 and p.ppid not in seen:
+        chain.append(p.ppid)
+        seen.add(p.ppid)
+        p = procs.get(p.ppid) or read_proc(p.ppid)
+    return chain
+
+
+def name_matches(name: str, argv0: str, patterns: list[str]) -> bool:
+    """Whether a process named ``name`` (its comm) or started as ``argv0`` matches a protect pattern.
+
+    comm is cut to 15 characters, so a full-length name is also compared against the cut pattern.
+
+    >>> name_matches("nvidia-persiste", "", ["nvidia-persistenced"])
+    True
+    >>> name_matches("systemd-journal", "/lib/systemd/systemd-journald", ["systemd*"])
+    True
+    >>> name_matches("python3", "/usr/bin/python3", ["sshd", "dcgm*"])
+    False
+    """
+    candidates = [name, os.path.basename(argv0)] if argv0 else [name]
+    for pattern in patterns:
+        if any(fnmatch.fnmatchcase(c, pattern) for c in candidates if c):
+            return True
+        if len(name) == COMM_LEN and fnmatch.fnmatchcase(name, pattern[:COMM_LEN] + "*"):
+            return True
+    return False
+
+
+def _argv0(pid: int, proc: str = PROC) -> str:
+    argv = read_cmdline(pid, proc)
+    return argv[0] if argv else ""
+
+
+# =========================================================================== 2. signalling
+
+
+@dataclass
+class Budget:
+    """Timeouts in seconds; ``total`` bounds the whole run (stop, signals, re-scans)."""
+
+    term: float = 30.0
+    kill: float = 10.0
+    stop: float = 120.0
+    total: float = 300.0
+
+
+def check_timeouts(values: dict[str, float | None]) -> None:
+    """Raise ValueError naming the first timeout that is not a positive number of seconds.
+
+    >>> check_timeouts({"term_timeout": 30, "kill_timeout": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: kill_timeout=0 must be a positive number of seconds (for example 10)
+    """
+    examples = {"term_timeout": 30, "kill_timeout": 10, "stop_timeout": 120, "timeout": 300}
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise ValueError(
+                f"{name}={value:g} must be a positive number of seconds (for example {examples.get(name, 30)})"
+            )
+
+
+# --------------------------------------------------------------------------- first: the systemd unit
+
+
+def stop_unit(
+    unit: str, timeout: float, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system"
+) -> dict:
+    """Stop ``unit`` through systemd, waiting at most ``timeout`` s (its ExecStop/KillMode do the graceful part).
+
+    Returns {state, stopped, message}: state is the ActiveState seen before ('no-systemd', 'not-found'
+    when there is nothing to stop).  A stop that overruns ``timeout`` is left to systemd and reported;
+    the caller's TERM/KILL of the unit's cgroup members takes over.
+    """
+    seen = unit_state(unit, systemctl, run_dir, min(timeout, 10.0))
+    state = seen["state"]
+    if state not in ACTIVE_STATES and state != "unknown":
+        return seen
+    try:
+        run = subprocess.run(
+            [systemctl, "stop", unit], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {
+            "state": state,
+            "stopped": False,
+            "message": f"systemctl stop {unit} did not finish within {timeout:g} s; signalling its processes",
+        }
+    if run.returncode != 0:
+        return {
+            "state": state,
+            "stopped": False,
+            "message": f"systemctl stop {unit} failed (rc={run.returncode}): {run.stderr.strip()}",
+        }
+    return {"state": state, "stopped": True, "message": f"stopped {unit} (was {state})"}
+
+
+def unit_state(
+    unit: str, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system", timeout: float = 10.0
+) -> dict:
+    """{state, stopped: False, message} of ``unit`` without changing it (check mode)."""
+    if not systemd_booted(run_dir) or shutil.which(systemctl) is None:
+        return {"state": "no-systemd", "stopped": False, "message": "systemd is not running here"}
+    props = unit_properties(unit, systemctl, timeout)
+    if props.get("LoadState") in (None, "not-found"):
+        return {"state": "not-found", "stopped": False, "message": f"unit {unit} is not installed"}
+    state = props.get("ActiveState", "unknown")
+    return {"state": state, "stopped": False, "message": f"unit {unit} is {state}"}
+
+
+def unit_properties(unit: str, systemctl: str = "systemctl", timeout: float = 10.0) -> dict[str, str]:
+    """``LoadState`` and ``ActiveState`` of ``unit`` ({} when systemctl fails or hangs)."""
+    try:
+        out = subprocess.run(
+            [systemctl, "show", "--property=LoadState,ActiveState", unit],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def systemd_booted(run_dir: str = "/run/systemd/system") -> bool:
+    """sd_booted(3): systemd is PID 1 of this (container's) namespace."""
+    return os.path.isdir(run_dir)
+
+
+# --------------------------------------------------------------------------- then: TERM, wait, KILL
+
+
+def terminate(
+    sel: Selectors, budget: Budget, check_mode: bool = False, self_pid: int | None = None, proc: str = PROC
+) -> dict:
+    """Scan -> TERM -> poll until exited or term timeout -> SIGCONT+KILL -> re-scan until empty or budget spent.
+
+    Returns {targets, protected, terminated, killed, unkillable, zombies, rounds}.  In check mode it
+    only scans.  Re-scans catch workers that a live agent respawned and children forked during the
+    TERM handling; those already had the job's grace period, so they get KILL directly.
+    """
+    deadline = time.monotonic() + budget.total
+    targets, protected, zombies = select_targets(sel, self_pid=self_pid, proc=proc)
+    result = {
+        "targets": [t.as_dict() for t in targets],
+        "protected": protected,
+        "terminated": [],
+        "killed": [],
+        "unkillable": [],
+        "zombies": [],
+        "rounds": 0,
+    }
+    if check_mode or not targets:
+        result["zombies"] = zombies
+        return result
+    ids = [t.proc.identity for t in targets]
+    seen = set(ids)
+    for ident in ids:
+        send_signal(ident, signal.SIGTERM, proc)
+    # Keep part of the budget for KILL: the grace period never eats the whole run.
+    reserve = min(budget.kill, budget.total / 2)
+    alive = wait_exited(ids, min(time.monotonic() + budget.term, deadline - reserve), proc)
+    result["terminated"] = [i[0] for i in ids if i not in alive]
+    killed: list[tuple[int, int]] = []
+    rounds, stuck_rounds, backoff = 1, 0, 0.1
+    while True:
+        if alive:
+            still = kill_and_wait(alive, budget.kill, deadline, proc)
+            killed.extend(i for i in alive if i not in still)
+            alive = still
+        if time.monotonic() >= deadline:
+            break
+        fresh, more_protected, more_zombies = select_targets(sel, self_pid=self_pid, proc=proc)
+        zombies += more_zombies
+        known = {p["pid"] for p in result["protected"]}
+        result["protected"].extend(p for p in more_protected if p["pid"] not in known)
+        new = [t for t in fresh if t.proc.identity not in seen]
+        for t in new:
+            seen.add(t.proc.identity)
+            result["targets"].append(t.as_dict())
+        if new:
+            # Respawned or late-forked: the job already had its grace period, so KILL at once.
+            alive += [t.proc.identity for t in new]
+            rounds += 1
+            continue
+        if not alive:
+            break
+        # Only survivors of SIGKILL are left (D state): retry with back-off as Slurm does, then give up.
+        stuck_rounds += 1
+        if stuck_rounds >= 3:
+            break
+        time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+        backoff *= 4
+        rounds += 1
+    result["killed"] = [i[0] for i in killed]
+    result["rounds"] = rounds
+    result["unkillable"] = unkillable(alive, proc)
+    # Exited job processes still waiting for their parent (the parent may be a survivor).
+    result["zombies"] = unreaped([z["pid"] for z in zombies] + [i[0] for i in seen], proc)
+    return result
+
+
+def kill_and_wait(
+    identities: list[tuple[int, int]], timeout: float, deadline: float, proc: str = PROC
+) -> list[tuple[int, int]]:
+    """SIGCONT then SIGKILL each identity; poll for ``timeout`` s, never past ``deadline`` (time.monotonic).
+
+    Returns the identities still running.
+    """
+    for ident in identities:
+        send_signal(ident, signal.SIGCONT, proc)
+        send_signal(ident, signal.SIGKILL, proc)
+    return wait_exited(identities, min(deadline, time.monotonic() + timeout), proc)
+
+
 # --------------------------------------------------------------------------- signalling by identity
-
-
-def current(identity: tuple[int, int], proc: str = PROC) -> Proc | None:
-    """The process with this identity if it still exists (zombies included), else None."""
-    p = read_proc(identity[0], proc)
-    return p if p is not None and p.start_time == identity[1] else None
-
-
-def is_running(identity: tuple[int, int], proc: str = PROC) -> bool:
-    """Still there and not exited (a zombie has exited: it only waits for its parent)."""
-    p = current(identity, proc)
-    return p is not None and p.state not in EXITED_STATES
 
 
 def send_signal(identity: tuple[int, int], sig: int, proc: str = PROC) -> str:
@@ -500,269 +577,19 @@ def wait_exited(
     return pending
 
 
-# --------------------------------------------------------------------------- systemd unit
-
-
-def systemd_booted(run_dir: str = "/run/systemd/system") -> bool:
-    """sd_booted(3): systemd is PID 1 of this (container's) namespace."""
-    return os.path.isdir(run_dir)
-
-
-def unit_properties(unit: str, systemctl: str = "systemctl", timeout: float = 10.0) -> dict[str, str]:
-    """``LoadState`` and ``ActiveState`` of ``unit`` ({} when systemctl fails or hangs)."""
-    try:
-        out = subprocess.run(
-            [systemctl, "show", "--property=LoadState,ActiveState", unit],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-
-ACTIVE_STATES = ("active", "activating", "deactivating", "reloading", "refreshing")
-
-
-def unit_state(
-    unit: str, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system", timeout: float = 10.0
-) -> dict:
-    """{state, stopped: False, message} of ``unit`` without changing it (check mode)."""
-    if not systemd_booted(run_dir) or shutil.which(systemctl) is None:
-        return {"state": "no-systemd", "stopped": False, "message": "systemd is not running here"}
-    props = unit_properties(unit, systemctl, timeout)
-    if props.get("LoadState") in (None, "not-found"):
-        return {"state": "not-found", "stopped": False, "message": f"unit {unit} is not installed"}
-    state = props.get("ActiveState", "unknown")
-    return {"state": state, "stopped": False, "message": f"unit {unit} is {state}"}
-
-
-def stop_unit(
-    unit: str, timeout: float, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system"
-) -> dict:
-    """Stop ``unit`` through systemd, waiting at most ``timeout`` s (its ExecStop/KillMode do the graceful part).
-
-    Returns {state, stopped, message}: state is the ActiveState seen before ('no-systemd', 'not-found'
-    when there is nothing to stop).  A stop that overruns ``timeout`` is left to systemd and reported;
-    the caller's TERM/KILL of the unit's cgroup members takes over.
-    """
-    seen = unit_state(unit, systemctl, run_dir, min(timeout, 10.0))
-    state = seen["state"]
-    if state not in ACTIVE_STATES and state != "unknown":
-        return seen
-    try:
-        run = subprocess.run(
-            [systemctl, "stop", unit], capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return {
-            "state": state,
-            "stopped": False,
-            "message": f"systemctl stop {unit} did not finish within {timeout:g} s; signalling its processes",
-        }
-    if run.returncode != 0:
-        return {
-            "state": state,
-            "stopped": False,
-            "message": f"systemctl stop {unit} failed (rc={run.returncode}): {run.stderr.strip()}",
-        }
-    return {"state": state, "stopped": True, "message": f"stopped {unit} (was {state})"}
-
-
-# --------------------------------------------------------------------------- sweeping stale job files
-
-
-def referenced_paths(procs: dict[int, Proc], proc: str = PROC) -> set[str]:
-    """Every path any live process holds (fd, map or cwd)."""
-    held: set[str] = set()
-    for p in procs.values():
-        if p.state not in EXITED_STATES:
-            held |= open_paths(p.pid, proc)
-    return held
-
-
-def sweep_candidates(globs: list[str], held: set[str]) -> tuple[list[str], list[str]]:
-    """Split existing paths matching ``globs`` into (unreferenced, in_use).
-
-    A directory is in use when a held path lies below it: removing a still-mapped NCCL segment
-    crashes its user, so only unreferenced files go.
-    """
-    import glob as globmod
-
-    free, busy = [], []
-    for path in sorted({p for g in globs for p in globmod.glob(g)}):
-        prefix = path.rstrip("/") + "/"
-        if path in held or any(h.startswith(prefix) for h in held):
-            busy.append(path)
-        else:
-            free.append(path)
-    return free, busy
-
-
-def remove_path(path: str) -> str | None:
-    """Remove a file or a directory tree; None on success, else the error text."""
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"{path}: {e.strerror}"
-    return None
-
-
-# --------------------------------------------------------------------------- the cleanup
-
-
-@dataclass
-class Budget:
-    """Timeouts in seconds; ``total`` bounds the whole run (stop, signals, re-scans)."""
-
-    term: float = 30.0
-    kill: float = 10.0
-    stop: float = 120.0
-    total: float = 300.0
-
-
-def check_timeouts(values: dict[str, float | None]) -> None:
-    """Raise ValueError naming the first timeout that is not a positive number of seconds.
-
-    >>> check_timeouts({"term_timeout": 30, "kill_timeout": 0})
-    Traceback (most recent call last):
-    ...
-    ValueError: kill_timeout=0 must be a positive number of seconds (for example 10)
-    """
-    examples = {"term_timeout": 30, "kill_timeout": 10, "stop_timeout": 120, "timeout": 300}
-    for name, value in values.items():
-        if value is not None and not value > 0:
-            raise ValueError(
-                f"{name}={value:g} must be a positive number of seconds (for example {examples.get(name, 30)})"
-            )
-
-
-def compile_patterns(patterns: list[str]) -> list[re.Pattern]:
-    """Compile ``match_cmdline`` regexes; ValueError names the bad one.
-
-    >>> compile_patterns(["eagle3 train("])
-    Traceback (most recent call last):
-    ...
-    ValueError: match_cmdline regex 'eagle3 train(' is invalid: missing ), unterminated subpattern at position 12
-    """
-    compiled = []
-    for pattern in patterns:
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as e:
-            raise ValueError(f"match_cmdline regex {pattern!r} is invalid: {e}") from None
-    return compiled
-
-
-def describe(identity: tuple[int, int], proc: str = PROC) -> dict:
-    """{pid, name, state, wchan} of a survivor, for the failure report."""
+def is_running(identity: tuple[int, int], proc: str = PROC) -> bool:
+    """Still there and not exited (a zombie has exited: it only waits for its parent)."""
     p = current(identity, proc)
-    return {
-        "pid": identity[0],
-        "name": p.name if p else "",
-        "state": p.state if p else "gone",
-        "wchan": read_wchan(identity[0], proc) if p else "",
-    }
+    return p is not None and p.state not in EXITED_STATES
 
 
-def terminate(
-    sel: Selectors, budget: Budget, check_mode: bool = False, self_pid: int | None = None, proc: str = PROC
-) -> dict:
-    """Scan -> TERM -> poll until exited or term timeout -> SIGCONT+KILL -> re-scan until empty or budget spent.
-
-    Returns {targets, protected, terminated, killed, unkillable, zombies, rounds}.  In check mode it
-    only scans.  Re-scans catch workers that a live agent respawned and children forked during the
-    TERM handling; those already had the job's grace period, so they get KILL directly.
-    """
-    start = time.monotonic()
-    deadline = start + budget.total
-    targets, protected, zombies = select_targets(sel, self_pid=self_pid, proc=proc)
-    result = {
-        "targets": [t.as_dict() for t in targets],
-        "protected": protected,
-        "terminated": [],
-        "killed": [],
-        "unkillable": [],
-        "zombies": [],
-        "rounds": 0,
-    }
-    if check_mode or not targets:
-        result["zombies"] = zombies
-        return result
-    seen = {t.proc.identity for t in targets}
-    ids = [t.proc.identity for t in targets]
-    for ident in ids:
-        send_signal(ident, signal.SIGTERM, proc)
-    # Keep part of the budget for KILL: the grace period never eats the whole run.
-    reserve = min(budget.kill, budget.total / 2)
-    alive = wait_exited(ids, min(time.monotonic() + budget.term, deadline - reserve), proc)
-    result["terminated"] = [i[0] for i in ids if i not in alive]
-    killed: list[tuple[int, int]] = []
-    rounds, stuck_rounds, backoff = 1, 0, 0.1
-    while True:
-        if alive:
-            for ident in alive:
-                send_signal(ident, signal.SIGCONT, proc)
-                send_signal(ident, signal.SIGKILL, proc)
-            still = wait_exited(alive, min(deadline, time.monotonic() + budget.kill), proc)
-            killed.extend(i for i in alive if i not in still)
-            alive = still
-        if time.monotonic() >= deadline:
-            break
-        fresh, more_protected, more_zombies = select_targets(sel, self_pid=self_pid, proc=proc)
-        zombies += more_zombies
-        known = {p["pid"] for p in result["protected"]}
-        result["protected"].extend(p for p in more_protected if p["pid"] not in known)
-        new = [t for t in fresh if t.proc.identity not in seen]
-        for t in new:
-            seen.add(t.proc.identity)
-            result["targets"].append(t.as_dict())
-        if new:
-            # Respawned or late-forked: the job already had its grace period, so KILL at once.
-            alive += [t.proc.identity for t in new]
-            rounds += 1
-            continue
-        if not alive:
-            break
-        # Only survivors of SIGKILL are left (D state): retry with back-off as Slurm does, then give up.
-        stuck_rounds += 1
-        if stuck_rounds >= 3:
-            break
-        time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-        backoff *= 4
-        rounds += 1
-    result["killed"] = [i[0] for i in killed]
-    result["rounds"] = rounds
-    result["unkillable"] = [describe(i, proc) for i in alive if is_running(i, proc)]
-    # Report exited job processes still waiting for their parent (the parent may be a survivor).
-    reported = set()
-    for z in zombies + [{"pid": i[0]} for i in seen]:
-        p = read_proc(z["pid"], proc)
-        if p is not None and p.state in EXITED_STATES and p.pid not in reported:
-            reported.add(p.pid)
-            result["zombies"].append({"pid": p.pid, "ppid": p.ppid, "name": p.name})
-    return result
+def current(identity: tuple[int, int], proc: str = PROC) -> Proc | None:
+    """The process with this identity if it still exists (zombies included), else None."""
+    p = read_proc(identity[0], proc)
+    return p if p is not None and p.start_time == identity[1] else None
 
 
-def owner_name(pid: int, proc: str = PROC) -> str:
-    """The user name owning a process (its uid when the name is unknown), '?' when it is gone."""
-    try:
-        uid = os.stat(f"{proc}/{pid}").st_uid
-    except OSError:
-        return "?"
-    try:
-        import pwd
-
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, ImportError):
-        return str(uid)
+# =========================================================================== 3. verification
 
 
 def holders(
@@ -809,7 +636,233 @@ def holders(
     return found
 
 
-# --------------------------------------------------------------------------- CLI (pre-start guard)
+def owner_name(pid: int, proc: str = PROC) -> str:
+    """The user name owning a process (its uid when the name is unknown), '?' when it is gone."""
+    try:
+        uid = os.stat(f"{proc}/{pid}").st_uid
+    except OSError:
+        return "?"
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        return str(uid)
+
+
+# --------------------------------------------------------------------------- survivors of the signals
+
+
+def unkillable(identities: list[tuple[int, int]], proc: str = PROC) -> list[dict]:
+    """Those of ``identities`` still running after SIGKILL, described for the failure report."""
+    return [describe(i, proc) for i in identities if is_running(i, proc)]
+
+
+def describe(identity: tuple[int, int], proc: str = PROC) -> dict:
+    """{pid, name, state, wchan} of a survivor, for the failure report."""
+    p = current(identity, proc)
+    return {
+        "pid": identity[0],
+        "name": p.name if p else "",
+        "state": p.state if p else "gone",
+        "wchan": read_wchan(identity[0], proc) if p else "",
+    }
+
+
+def unreaped(pids: list[int], proc: str = PROC) -> list[dict]:
+    """Those of ``pids`` that are now zombies, once each in order: [{pid, ppid, name}]."""
+    found = []
+    reported = set()
+    for pid in pids:
+        p = read_proc(pid, proc)
+        if p is not None and p.state in EXITED_STATES and p.pid not in reported:
+            reported.add(p.pid)
+            found.append({"pid": p.pid, "ppid": p.ppid, "name": p.name})
+    return found
+
+
+# --------------------------------------------------------------------------- stale job files (the sweep)
+
+
+def referenced_paths(procs: dict[int, Proc], proc: str = PROC) -> set[str]:
+    """Every path any live process holds (fd, map or cwd)."""
+    held: set[str] = set()
+    for p in procs.values():
+        if p.state not in EXITED_STATES:
+            held |= open_paths(p.pid, proc)
+    return held
+
+
+def sweep_candidates(globs: list[str], held: set[str]) -> tuple[list[str], list[str]]:
+    """Split existing paths matching ``globs`` into (unreferenced, in_use).
+
+    A directory is in use when a held path lies below it: removing a still-mapped NCCL segment
+    crashes its user, so only unreferenced files go.
+    """
+    import glob as globmod
+
+    free, busy = [], []
+    for path in sorted({p for g in globs for p in globmod.glob(g)}):
+        prefix = path.rstrip("/") + "/"
+        if path in held or any(h.startswith(prefix) for h in held):
+            busy.append(path)
+        else:
+            free.append(path)
+    return free, busy
+
+
+def remove_path(path: str) -> str | None:
+    """Remove a file or a directory tree; None on success, else the error text."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    return None
+
+
+# =========================================================================== 4. reading /proc
+
+
+def scan(proc: str = PROC) -> dict[int, Proc]:
+    """All processes now visible, by pid (processes that exit during the scan are skipped)."""
+    found = {}
+    for pid in list_pids(proc):
+        p = read_proc(pid, proc)
+        if p is not None:
+            found[pid] = p
+    return found
+
+
+def list_pids(proc: str = PROC) -> list[int]:
+    return sorted(int(d) for d in os.listdir(proc) if d.isdigit())
+
+
+def read_proc(pid: int, proc: str = PROC) -> Proc | None:
+    """The process now at ``pid``, or None when there is none."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            return parse_stat(f.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def parse_stat(text: str) -> Proc:
+    """Parse the content of /proc/PID/stat.
+
+    The name sits in parentheses and may itself contain spaces and ')', so split at the last ')'.
+
+    >>> p = parse_stat("42 (pt worker) S 7 42 42 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 98765 0 0")
+    >>> (p.pid, p.name, p.state, p.ppid, p.pgid, p.sid, p.start_time)
+    (42, 'pt worker', 'S', 7, 42, 42, 98765)
+    """
+    head, _, tail = text.rpartition(")")
+    pid_text, _, name = head.partition(" (")
+    fields = tail.split()
+    # fields[0] is field 3 (state); field N of proc(5) is fields[N - 3].
+    return Proc(
+        pid=int(pid_text),
+        ppid=int(fields[1]),
+        pgid=int(fields[2]),
+        sid=int(fields[3]),
+        name=name,
+        state=fields[0],
+        start_time=int(fields[19]),
+    )
+
+
+def read_cmdline(pid: int, proc: str = PROC) -> list[str]:
+    """argv of ``pid`` ([] for kernel threads, zombies and vanished processes)."""
+    raw = _read_bytes(f"{proc}/{pid}/cmdline")
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a] if raw else []
+
+
+def read_environ(pid: int, proc: str = PROC) -> list[str]:
+    """The environment ``pid`` was started with, as NAME=VALUE strings (later setenv calls do not show)."""
+    raw = _read_bytes(f"{proc}/{pid}/environ")
+    return [e.decode(errors="replace") for e in raw.split(b"\0") if e]
+
+
+def read_cgroup(pid: int, proc: str = PROC) -> str:
+    return _read_bytes(f"{proc}/{pid}/cgroup").decode(errors="replace")
+
+
+def read_wchan(pid: int, proc: str = PROC) -> str:
+    """Kernel function a sleeping process waits in ('' when unknown or running)."""
+    w = _read_bytes(f"{proc}/{pid}/wchan").decode(errors="replace").strip()
+    return "" if w == "0" else w
+
+
+def held_paths(pid: int, proc: str = PROC) -> set[str]:
+    """Paths ``pid`` holds as an open fd or a memory map.
+
+    DataLoader workers forked after CUDA init inherit the device fds; a mapping alone also pins a device.
+    """
+    return fd_paths(pid, proc) | parse_maps_paths(_read_bytes(f"{proc}/{pid}/maps").decode(errors="replace"))
+
+
+def open_paths(pid: int, proc: str = PROC) -> set[str]:
+    """Every path ``pid`` holds: open fds, memory maps and its working directory."""
+    paths = held_paths(pid, proc)
+    try:
+        paths.add(os.readlink(f"{proc}/{pid}/cwd"))
+    except OSError:
+        pass
+    return paths
+
+
+def fd_paths(pid: int, proc: str = PROC) -> set[str]:
+    """Targets of the open file descriptors of ``pid`` that are filesystem paths."""
+    paths = set()
+    fd_dir = f"{proc}/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return paths
+    for fd in fds:
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/"):
+            paths.add(target[: -len(" (deleted)")] if target.endswith(" (deleted)") else target)
+    return paths
+
+
+def parse_maps_paths(text: str) -> set[str]:
+    """Paths mapped in a /proc/PID/maps content (anonymous and pseudo mappings left out).
+
+    >>> sorted(parse_maps_paths(
+    ...     "7f00-7f10 rw-s 00000000 00:05 12 /dev/nvidia0\\n"
+    ...     "7f10-7f20 rw-p 00000000 00:00 0 \\n"
+    ...     "7f20-7f30 rw-s 00000000 00:05 13 /dev/shm/nccl-x (deleted)\\n"
+    ...     "7ffc-7ffd rw-p 00000000 00:00 0 [stack]\\n"))
+    ['/dev/nvidia0', '/dev/shm/nccl-x']
+    """
+    paths = set()
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            path = parts[5]
+            if path.endswith(" (deleted)"):
+                path = path[: -len(" (deleted)")]
+            paths.add(path)
+    return paths
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+# =========================================================================== 5. CLI (pre-start guard)
 
 
 def main(argv: list[str] | None = None) -> int:
