@@ -273,9 +273,9 @@ from ansible.module_utils.pve import (
     device_rule_message,
     identity_of,
     may_set_devices,
-    needs_restart,
     parse_devices,
     plan_changes,
+    predict_pending,
     pve_bool,
     pve_major,
     render_config,
@@ -312,6 +312,7 @@ class CtRun:
             identity=identity,
         )
         self.devices = parse_devices(self.p["devices"]) if self.p["devices"] is not None else None
+        self.running_config = {}
 
     # ------------------------------------------------------------ api calls
 
@@ -341,10 +342,15 @@ class CtRun:
             ) from None
 
     def read_config(self):
-        """The config with pending values applied (what the CT will run with), and the pending keys."""
+        """The config with pending values applied (what the CT will run with), and the pending keys.
+
+        Also keeps the values the CT runs with now (self.running_config, from GET pending), which is
+        what PVE compares a new value with when it decides whether the change stays pending.
+        """
         config = self.call(f"GET config of CT {self.vmid}", self.ct().config.get)
         pending = self.call(f"GET pending of CT {self.vmid}", self.ct().pending.get)
         waiting = sorted(item["key"] for item in pending if "pending" in item or item.get("delete"))
+        self.running_config = {item["key"]: item["value"] for item in pending if "value" in item}
         return config, waiting
 
     def status(self):
@@ -436,7 +442,7 @@ class CtRun:
 
     def update(self, running):
         for attempt in (1, 2):
-            current, _ = self.read_config()
+            current, waiting = self.read_config()
             if current.get("lock"):
                 raise PveError(
                     "CT {0} is locked ({1}): another operation (backup, snapshot, migration, ...) holds "
@@ -458,6 +464,12 @@ class CtRun:
             wanted = self.wanted(current)
             updates, deletes = plan_changes(current, wanted, self.devices is not None)
             self.check_device_identity(sorted(k for k in list(updates) + deletes if k.startswith("dev")))
+            if self.module.check_mode and running:
+                # What will wait for the next start once the change is made: pending changes already
+                # on the CT count too, because the real run restarts for them as well.
+                self.result["pending"] = predict_pending(
+                    self.running_config, waiting, updates, deletes, self.major
+                )
             if not updates and not deletes:
                 return
             after = {k: v for k, v in current.items() if k not in deletes}
@@ -466,10 +478,6 @@ class CtRun:
             self.diff(render_config(current, keys), render_config(after, keys))
             self.result.update(changed=True, updated=sorted(updates), deleted=sorted(deletes))
             if self.module.check_mode:
-                if running:
-                    self.result["pending"] = sorted(
-                        k for k in keys if needs_restart(k, current, k in deletes, self.major)
-                    )
                 return
             body = dict(updates, digest=current["digest"])
             if deletes:

@@ -524,6 +524,32 @@ def needs_restart(key, current, deleting, pve_major):
     return True
 
 
+def predict_pending(running, waiting, updates, deletes, pve_major):
+    """The keys that wait for the next start of a running CT once updates and deletes are PUT (check mode).
+
+    running is the config the CT runs with (GET pending's values), waiting the keys already pending.
+    Keys the change does not touch stay pending. PVE drops a pending entry that equals the running value
+    (cleanup_pending) and a pending delete of a key the CT does not have; what is left of the change
+    waits unless it can be applied live (needs_restart).
+
+    >>> running = {'dev0': '/dev/a', 'dev4': '/dev/e', 'memory': '4096'}
+    >>> predict_pending(running, ['dev4', 'features'], {'memory': '8192'}, [], 9)
+    ['dev4', 'features']
+    >>> predict_pending(running, ['dev4'], {'dev4': '/dev/e'}, [], 9)
+    []
+    >>> predict_pending(running, [], {'dev0': '/dev/a,mode=0666', 'dev7': '/dev/h'}, ['dev9'], 9)
+    ['dev0']
+    """
+    after = set(waiting) - set(updates) - set(deletes)
+    for key, value in updates.items():
+        if not value_equal(key, running.get(key), value) and needs_restart(key, running, False, pve_major):
+            after.add(key)
+    for key in deletes:
+        if key in running and needs_restart(key, running, True, pve_major):
+            after.add(key)
+    return sorted(after)
+
+
 def pve_major(version):
     """The major release of a PVE version string ('9.0.10' -> 9; unknown -> 0).
 

@@ -169,6 +169,52 @@ def test_check_mode_with_restart_never_predicts_restart_required(running_ct, pve
     assert result["restart_required"] and result["pending"] == ["dev0"] and not result["restarted"]
 
 
+def predicted(result):
+    """What a check-mode result and a real run's result must agree on."""
+    keys = ("changed", "restarted", "restart_required", "status", "pending", "updated", "deleted")
+    return {k: result[k] for k in keys}
+
+
+def test_check_mode_sees_pending_changes_already_on_the_ct_and_predicts_the_reboot(
+    running_ct, pve, fakepve_cafile, capsys
+):
+    # An earlier run with restart=never (or a `pct set` by hand) left a device edit pending.
+    devices = [*GPU_NODES[:-1], {"path": "/dev/nvidia-uvm-tools", "mode": "0660"}]
+    run(pve, fakepve_cafile, capsys, state="started", devices=devices, restart="never")
+    assert running_ct.pending == {"dev4": "/dev/nvidia-uvm-tools,mode=0660"}
+    before = len(writes(pve))
+
+    check = run(pve, fakepve_cafile, capsys, check_mode=True, state="started", devices=devices)
+    assert len(writes(pve)) == before and running_ct.pending, "check mode must not change anything"
+    real = run(pve, fakepve_cafile, capsys, state="started", devices=devices)
+    assert real["changed"] and real["restarted"] and running_ct.pending == {}
+    assert predicted(check) == predicted(real)
+
+
+def test_check_mode_keeps_pending_changes_it_does_not_touch_with_restart_never(
+    running_ct, pve, fakepve_cafile, capsys
+):
+    devices = [*GPU_NODES[:-1], {"path": "/dev/nvidia-uvm-tools", "mode": "0660"}]
+    run(pve, fakepve_cafile, capsys, state="started", devices=devices, restart="never")
+    spec = dict(state="started", devices=devices, memory=24576, restart="never")
+    check = run(pve, fakepve_cafile, capsys, check_mode=True, **spec)
+    assert check["pending"] == ["dev4"] and check["restart_required"] and not check["restarted"]
+    real = run(pve, fakepve_cafile, capsys, **spec)
+    assert predicted(check) == predicted(real)
+
+
+def test_check_mode_knows_that_setting_a_pending_key_back_clears_it(running_ct, pve, fakepve_cafile, capsys):
+    # The pending edit of dev4 is undone by asking for the value the running CT already has: PVE drops
+    # the pending entry, so nothing waits and nothing restarts.
+    devices = [*GPU_NODES[:-1], {"path": "/dev/nvidia-uvm-tools", "mode": "0660"}]
+    run(pve, fakepve_cafile, capsys, state="started", devices=devices, restart="never")
+    check = run(pve, fakepve_cafile, capsys, check_mode=True, state="started")
+    assert check["updated"] == ["dev4"] and not check["restarted"] and check["pending"] == []
+    real = run(pve, fakepve_cafile, capsys, state="started")
+    assert predicted(check) == predicted(real)
+    assert running_ct.pending == {} and running_ct.config["dev4"] == "/dev/nvidia-uvm-tools"
+
+
 # ----------------------------------------------------------------- the root@pam rule
 
 
