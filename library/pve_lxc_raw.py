@@ -43,6 +43,14 @@ options:
     description: Directory of the container configs of this node.
     type: path
     default: /etc/pve/lxc
+  lock_timeout:
+    description: Seconds to wait for PVE's config lock of the container (C(pct set) and the API take it too).
+    type: int
+    default: 10
+  lock_dir:
+    description: Directory of PVE's container config locks (C(pve-config-<vmid>.lock)).
+    type: path
+    default: /run/lock/lxc
 notes:
   - Supports check mode and diff mode.
   - Runs on the PVE node, as root; standard library only.
@@ -86,7 +94,17 @@ raw_lines:
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.pve_conf import ConfError, cgroup_v1_keys, edit_raw_lines, format_line, raw_lines_of
+from ansible.module_utils.pve_conf import (
+    LOCK_DIR,
+    LOCK_TIMEOUT,
+    ConfError,
+    ConfigLock,
+    ConfLockError,
+    cgroup_v1_keys,
+    edit_raw_lines,
+    format_line,
+    raw_lines_of,
+)
 
 
 def write_in_place(path, text):
@@ -99,6 +117,31 @@ def write_in_place(path, text):
         os.fsync(handle.fileno())
 
 
+def edit(module, path):
+    """(before, after) of the config file; outside check mode the edit is written under PVE's config lock.
+
+    The lock is taken before the file is read, so a concurrent `pct set` (which holds the same lock while
+    it reads and writes the file) is either fully before or fully after this edit, never lost.
+    """
+    p = module.params
+
+    def read_edit_write():
+        with open(path, encoding="utf-8") as handle:
+            before = handle.read()
+        after = edit_raw_lines(before, p["lines"], state=p["state"], exclusive=p["exclusive"])
+        if after != before and not module.check_mode:
+            try:
+                write_in_place(path, after)
+            except OSError as exc:
+                module.fail_json(msg=f"cannot write {path} in place: {exc}", path=path)
+        return before, after
+
+    if module.check_mode:  # nothing is written: read the file the way `pct config` does, without the lock
+        return read_edit_write()
+    with ConfigLock(p["vmid"], lock_dir=p["lock_dir"], timeout=p["lock_timeout"]):
+        return read_edit_write()
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
@@ -107,6 +150,8 @@ def main():
             state=dict(type="str", default="present", choices=["present", "absent"]),
             exclusive=dict(type="bool", default=False),
             config_dir=dict(type="path", default="/etc/pve/lxc"),
+            lock_timeout=dict(type="int", default=LOCK_TIMEOUT),
+            lock_dir=dict(type="path", default=LOCK_DIR),
         ),
         supports_check_mode=True,
     )
@@ -120,10 +165,10 @@ def main():
                 "after pve_lxc created it)".format(path, p["vmid"]),
                 path=path,
             )
-        with open(path, encoding="utf-8") as handle:
-            before = handle.read()
-        after = edit_raw_lines(before, p["lines"], state=p["state"], exclusive=p["exclusive"])
+        before, after = edit(module, path)
     except ConfError as exc:
+        module.fail_json(msg=str(exc), path=path)
+    except ConfLockError as exc:
         module.fail_json(msg=str(exc), path=path)
     except OSError as exc:
         module.fail_json(msg=f"cannot read {path}: {exc} (the module must run as root on the PVE node)")
@@ -137,11 +182,6 @@ def main():
     result = dict(changed=changed, path=path, raw_lines=[format_line(*pair) for pair in raw_lines_of(after)])
     if changed:
         result["diff"] = dict(before=before, after=after, before_header=path, after_header=path)
-        if not module.check_mode:
-            try:
-                write_in_place(path, after)
-            except OSError as exc:
-                module.fail_json(msg=f"cannot write {path} in place: {exc}", path=path)
     module.exit_json(**result)
 
 

@@ -8,14 +8,139 @@ before the first section header. Standard library only: this runs on the PVE nod
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import re
+import time
 
 SECTION = re.compile(r"^\[[^\]]+\]\s*$")
 RAW_KEY = re.compile(r"^lxc(\.[A-Za-z0-9_-]+)+$")
 
 
+# PVE's own lock for a CT config (pve-container PVE::LXC::Config->config_file_lock: flock(LOCK_EX) on
+# /run/lock/lxc/pve-config-<vmid>.lock, taken by pct set, the API and every task that edits the config;
+# lock_config waits 10 s for it).
+LOCK_DIR = "/run/lock/lxc"
+LOCK_TIMEOUT = 10
+
+
 class ConfError(ValueError):
     """A raw line that cannot be written; the message names the line and the fix."""
+
+
+class ConfLockError(Exception):
+    """The CT's config lock could not be taken; the message names the lock, the holder and the wait."""
+
+
+def config_lock_path(vmid, lock_dir=LOCK_DIR):
+    """The file PVE flocks while it changes CT vmid's config.
+
+    >>> config_lock_path(129)
+    '/run/lock/lxc/pve-config-129.lock'
+    """
+    return os.path.join(lock_dir, f"pve-config-{vmid}.lock")
+
+
+class ConfigLock:
+    """Hold PVE's config lock of a CT (exclusive flock), waiting at most timeout seconds.
+
+    with ConfigLock(129): read, edit and write /etc/pve/lxc/129.conf
+    """
+
+    def __init__(self, vmid, lock_dir=LOCK_DIR, timeout=LOCK_TIMEOUT, clock=time.monotonic, sleep=time.sleep):
+        self.vmid = vmid
+        self.path = config_lock_path(vmid, lock_dir)
+        self.timeout = timeout
+        self.clock, self.sleep = clock, sleep
+        self.handle = None
+
+    def __enter__(self):
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            # As PVE opens it (">>"): created when missing, never truncated.
+            self.handle = open(self.path, "a")
+        except OSError as exc:
+            raise ConfLockError(f"cannot open the config lock {self.path} of CT {self.vmid}: {exc}") from None
+        deadline = self.clock() + self.timeout
+        delay = 0.02
+        while True:
+            try:
+                fcntl.flock(self.handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EINTR):
+                    self.handle.close()
+                    raise ConfLockError(f"cannot lock {self.path}: {exc}") from None
+            if self.clock() >= deadline:
+                holders = lock_holders(self.path)
+                self.handle.close()
+                raise ConfLockError(
+                    "timed out after {} s waiting for the config lock of CT {} ({}), held by {}: another "
+                    "change to the CT (pct set, a backup, the API) is under way. Re-run once it is done, or "
+                    "raise lock_timeout".format(
+                        self.timeout, self.vmid, self.path, describe_holders(holders) or "an unknown process"
+                    )
+                )
+            self.sleep(min(delay, max(0.0, deadline - self.clock())))
+            delay = min(delay * 2, 0.25)
+
+    def __exit__(self, *exc):
+        self.handle.close()  # closing the only descriptor releases the flock
+        self.handle = None
+        return False
+
+
+def lock_holders(path, proc_locks="/proc/locks"):
+    """PIDs that hold a lock on path, from /proc/locks (waiters left out); [] when unknown.
+
+    A /proc/locks line reads `1: FLOCK  ADVISORY  WRITE 4242 fd:01:1835099 0 EOF` (device as hex
+    major:minor, then the inode); a waiting request has `->` after the number.
+    """
+    try:
+        st = os.stat(path)
+        with open(proc_locks, encoding="ascii", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    exact, same_inode = [], []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->":
+            continue
+        pid, where = fields[4], fields[5].split(":")
+        if not pid.isdigit() or int(pid) <= 0 or len(where) != 3:  # 0: a holder outside our PID namespace
+            continue
+        try:
+            major, minor, inode = int(where[0], 16), int(where[1], 16), int(where[2])
+        except ValueError:
+            continue
+        if inode != st.st_ino:
+            continue
+        same_inode.append(int(pid))
+        if (major, minor) == (os.major(st.st_dev), os.minor(st.st_dev)):
+            exact.append(int(pid))
+    # An overlay or FUSE file system may show another device number than stat(): fall back to the inode.
+    return sorted(set(exact or same_inode))
+
+
+def describe_holders(pids, proc="/proc"):
+    """'pid 4242 (pct set 129 -memory 4096)' for each pid, with its command line when it can be read.
+
+    >>> describe_holders([])
+    ''
+    """
+    out = []
+    for pid in pids:
+        try:
+            with open(f"{proc}/{pid}/cmdline", "rb") as handle:
+                cmd = " ".join(handle.read().replace(b"\0", b" ").decode(errors="replace").split())
+        except OSError:
+            cmd = ""
+        if len(cmd) > 120:
+            cmd = cmd[:117] + "..."
+        out.append(f"pid {pid} ({cmd})" if cmd else f"pid {pid}")
+    return ", ".join(out)
 
 
 def parse_line(text):

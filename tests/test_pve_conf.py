@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import doctest
 import os
+import subprocess
+import sys
+import time
 
 import ansible.module_utils.pve as pve_utils
 import ansible.module_utils.pve_conf as pve_conf
@@ -117,7 +120,7 @@ def conf_dir(tmp_path, text):
 def test_module_writes_in_place_and_is_idempotent(tmp_path, capsys):
     path = conf_dir(tmp_path, WITH_SNAPSHOTS)
     inode = os.stat(path).st_ino
-    args = dict(vmid=129, lines=[ALLOW, MOUNT0], config_dir=str(tmp_path))
+    args = dict(vmid=129, lines=[ALLOW, MOUNT0], config_dir=str(tmp_path), lock_dir=str(tmp_path / "lock"))
     first = run_module(pve_lxc_raw, args, capsys)
     assert first["changed"] and first["raw_lines"] == [ALLOW, MOUNT0]
     assert os.stat(path).st_ino == inode, "pmxcfs refuses renames: the file must be rewritten in place"
@@ -130,7 +133,10 @@ def test_module_writes_in_place_and_is_idempotent(tmp_path, capsys):
 def test_module_check_mode_shows_the_diff_and_leaves_the_file(tmp_path, capsys):
     path = conf_dir(tmp_path, PLAIN)
     result = run_module(
-        pve_lxc_raw, dict(vmid=129, lines=[MOUNT0], config_dir=str(tmp_path)), capsys, check_mode=True
+        pve_lxc_raw,
+        dict(vmid=129, lines=[MOUNT0], config_dir=str(tmp_path), lock_dir=str(tmp_path / "lock")),
+        capsys,
+        check_mode=True,
     )
     assert result["changed"] and result["diff"]["after"].endswith(MOUNT0 + "\n")
     assert path.read_text() == PLAIN
@@ -145,14 +151,23 @@ def test_module_warns_about_cgroup_v1_keys(tmp_path, capsys, monkeypatch):
     conf_dir(tmp_path, PLAIN)
     result = run_module(
         pve_lxc_raw,
-        dict(vmid=129, lines=["lxc.cgroup.devices.allow: c 195:* rwm"], config_dir=str(tmp_path)),
+        dict(
+            vmid=129,
+            lines=["lxc.cgroup.devices.allow: c 195:* rwm"],
+            config_dir=str(tmp_path),
+            lock_dir=str(tmp_path / "lock"),
+        ),
         capsys,
     )
     assert "use lxc.cgroup2.devices.allow" in str(result["warnings"])
 
 
 def test_module_fails_clearly_for_a_ct_that_is_not_on_this_node(tmp_path, capsys):
-    result = run_module(pve_lxc_raw, dict(vmid=130, lines=[ALLOW], config_dir=str(tmp_path)), capsys)
+    result = run_module(
+        pve_lxc_raw,
+        dict(vmid=130, lines=[ALLOW], config_dir=str(tmp_path), lock_dir=str(tmp_path / "lock")),
+        capsys,
+    )
     assert (
         result["failed"]
         and "130.conf not found" in result["msg"]
@@ -163,7 +178,104 @@ def test_module_fails_clearly_for_a_ct_that_is_not_on_this_node(tmp_path, capsys
 def test_module_refuses_a_bad_line_and_leaves_the_file(tmp_path, capsys):
     path = conf_dir(tmp_path, PLAIN)
     result = run_module(
-        pve_lxc_raw, dict(vmid=129, lines=[ALLOW, "dev0: /dev/nvidia0"], config_dir=str(tmp_path)), capsys
+        pve_lxc_raw,
+        dict(
+            vmid=129,
+            lines=[ALLOW, "dev0: /dev/nvidia0"],
+            config_dir=str(tmp_path),
+            lock_dir=str(tmp_path / "lock"),
+        ),
+        capsys,
     )
     assert result["failed"] and "dev0: /dev/nvidia0" in result["msg"] and "pve_lxc" in result["msg"]
     assert path.read_text() == PLAIN
+
+
+# ----------------------------------------------------------------- PVE's config lock, against a real holder
+
+# A stand-in for `pct set 129 ...`: takes PVE's config lock (flock on pve-config-129.lock), says so, and then
+# either reads the config, waits, writes it back with one option changed and releases the lock, or keeps the
+# lock until it is killed.
+LOCKER = r"""
+import fcntl, pathlib, sys, time
+lock, conf, ready, mode = sys.argv[1:5]
+handle = open(lock, "a")
+fcntl.flock(handle, fcntl.LOCK_EX)
+text = pathlib.Path(conf).read_text()
+pathlib.Path(ready).write_text("locked")
+if mode == "hold":
+    time.sleep(300)
+time.sleep(float(mode))
+pathlib.Path(conf).write_text(text.replace("memory: 16384", "memory: 32768"))
+"""
+
+
+@pytest.fixture
+def locker(tmp_path):
+    """Start LOCKER processes on CT 129's lock in tmp_path/lock; every one is killed (if still running) and reaped."""
+    started = []
+
+    def start(mode):
+        (tmp_path / "lock").mkdir(exist_ok=True)
+        ready = tmp_path / f"ready{len(started)}"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                LOCKER,
+                str(tmp_path / "lock" / "pve-config-129.lock"),
+                str(tmp_path / "129.conf"),
+                str(ready),
+                mode,
+            ]
+        )
+        started.append(proc)
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the lock holder did not start"
+            time.sleep(0.02)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def raw_args(tmp_path, **extra):
+    return dict(vmid=129, lines=[ALLOW], config_dir=str(tmp_path), lock_dir=str(tmp_path / "lock"), **extra)
+
+
+def test_module_waits_for_a_concurrent_pct_set_and_neither_change_is_lost(tmp_path, capsys, locker):
+    path = conf_dir(tmp_path, PLAIN)
+    holder = locker("0.5")  # read the config, then write memory 32768 half a second later
+    result = run_module(pve_lxc_raw, raw_args(tmp_path), capsys)
+    assert result["changed"] and not result.get("failed"), result
+    assert holder.wait(timeout=30) == 0
+    text = path.read_text()
+    assert "memory: 32768\n" in text, "the module wrote over the concurrent pct set"
+    assert ALLOW + "\n" in text, "the concurrent pct set wrote over the module's line"
+
+
+def test_module_times_out_on_a_held_lock_naming_the_holder_and_leaves_the_file(tmp_path, capsys, locker):
+    path = conf_dir(tmp_path, PLAIN)
+    holder = locker("hold")
+    began = time.monotonic()
+    result = run_module(pve_lxc_raw, raw_args(tmp_path, lock_timeout=1), capsys)
+    assert time.monotonic() - began < 15
+    msg = result["msg"]
+    assert result["failed"] and "timed out after 1 s" in msg and "config lock of CT 129" in msg, msg
+    assert "pve-config-129.lock" in msg and f"pid {holder.pid} ({sys.executable} -c import fcntl" in msg, msg
+    assert path.read_text() == PLAIN
+    holder.kill()
+    holder.wait(timeout=30)
+    again = run_module(pve_lxc_raw, raw_args(tmp_path, lock_timeout=1), capsys)
+    assert again["changed"] and ALLOW in path.read_text()
+
+
+def test_check_mode_does_not_wait_for_the_lock(tmp_path, capsys, locker):
+    conf_dir(tmp_path, PLAIN)
+    locker("hold")
+    result = run_module(pve_lxc_raw, raw_args(tmp_path, lock_timeout=30), capsys, check_mode=True)
+    assert result["changed"] and not result.get("failed")
