@@ -46,6 +46,8 @@ for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
 
 import torch  # noqa: E402
 from eagle3 import plan as P  # noqa: E402
+from eagle3.config import TrainConfig  # noqa: E402
+from eagle3.options import resolve_options  # noqa: E402
 
 MARKER_NAME = "EAGLE3_GPU_CHECK"
 DEVICE_GLOBS = ["/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
@@ -275,6 +277,14 @@ def section_flex(device: torch.device, dry_run: bool) -> dict:
 # ----------------------------------------------------------------------------------------------- sweep
 
 
+def recipe(dry_run: bool, world_size: int = 1, reserve_gib: float = 0.0, **keys) -> P.Options:
+    """The trainer's CUDA recipe for config `keys`, resolved as the trainer resolves it (bf16 autocast, frozen
+    weights in bf16, flex); a dry run takes the same recipe to the CPU with the exact attention path."""
+    run = resolve_options(TrainConfig(**keys), "cuda", world_size)
+    opts = P.Options.from_run(run, reserve_gib=reserve_gib)
+    return dataclasses.replace(opts, device="cpu", attention="exact") if dry_run else opts
+
+
 def run_steps(
     shape: P.Shape, opts: P.Options, ttt_steps: int, seq_len: int, device: torch.device, steps: int = 2
 ):
@@ -325,11 +335,11 @@ def run_steps(
 def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths: list[int]) -> dict:
     if dry_run:
         shape = P.Shape(128, 4, 32, 320, 1024, 2048)
-        base = P.Options(attention="exact", device="cpu", reserve_gib=0.0, loss_chunk_size=256)
+        base = recipe(dry_run, loss_chunk_size=256)
         lengths = [256, 512]
     else:
         shape = P.SHAPES["kimi-k2.5"]
-        base = P.Options(reserve_gib=0.0)
+        base = recipe(dry_run)
     ttt = 5
     deadline = time.monotonic() + budget_s
     rows = []
@@ -385,7 +395,7 @@ def section_probe(device: torch.device, dry_run: bool, sweep: dict | None) -> di
     cache = Path(tempfile.mkdtemp(prefix="eagle3-plan-cache-"))
     if dry_run:
         shape = P.Shape(128, 4, 32, 320, 1024, 2048)
-        opts = P.Options(attention="exact", device="cpu", reserve_gib=0.0, activation_checkpointing=True)
+        opts = recipe(dry_run, activation_checkpointing=True)
 
         def measure(seq_len):
             static, peak, _, _ = run_steps(shape, opts, 5, seq_len, device)
@@ -394,7 +404,10 @@ def section_probe(device: torch.device, dry_run: bool, sweep: dict | None) -> di
         kwargs = {"measure": measure, "gpu_name": "cpu-dry-run", "torch_version": torch.__version__}
         lengths, world, memory = (256, 512), 1, 1.0
     else:
-        shape, opts = P.SHAPES["kimi-k2.5"], P.Options(activation_checkpointing=True)
+        shape, opts = (
+            P.SHAPES["kimi-k2.5"],
+            recipe(dry_run, 8, reserve_gib=1.0, activation_checkpointing=True),
+        )
         kwargs, lengths, world, memory = {}, (4096, 8192), 8, 96.0
     first = P.probe(shape, opts, ttt_steps=5, world_size=world, memory_gb=memory, margin=0.1, lengths=lengths,
                     cache_dir=cache, **kwargs)  # fmt: skip

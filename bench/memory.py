@@ -32,18 +32,26 @@ sys.path.insert(0, str(ROOT / "training"))
 
 import torch  # noqa: E402
 from eagle3 import plan as P  # noqa: E402
+from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.memtrack import measure_planned_step  # noqa: E402
+from eagle3.options import resolve_options  # noqa: E402
 
 KIB = 1024
 
 
+def planned(device: str, world_size: int = 1, on_cpu: bool = False, **keys) -> P.Options:
+    """The planner's options for trainer config keys on `device`, resolved as the trainer resolves them;
+    `on_cpu`: that recipe run here on CPU with the exact attention path."""
+    opts = P.Options.from_run(resolve_options(TrainConfig(**keys), device, world_size), reserve_gib=0.0)
+    return dataclasses.replace(opts, device="cpu", attention="exact") if on_cpu else opts
+
+
 def option_sets() -> dict[str, P.Options]:
-    cpu = P.Options(attention="exact", device="cpu", reserve_gib=0.0, loss_chunk_size=4096)
     return {
-        "fp32 (CPU default)": dataclasses.replace(cpu, autocast=False, frozen_bf16=False),
-        "bf16 autocast (CUDA recipe)": cpu,
-        "bf16 + activation checkpointing": dataclasses.replace(cpu, activation_checkpointing=True),
-        "bf16 + small loss chunks (512)": dataclasses.replace(cpu, loss_chunk_size=512),
+        "fp32 (CPU default)": planned("cpu"),
+        "bf16 autocast (CUDA recipe)": planned("cuda", on_cpu=True),
+        "bf16 + activation checkpointing": planned("cuda", on_cpu=True, activation_checkpointing=True),
+        "bf16 + small loss chunks (512)": planned("cuda", on_cpu=True, loss_chunk_size=512),
     }
 
 
@@ -71,18 +79,17 @@ def part_a(seq_len: int, ttt_steps: int) -> None:
         ]
         text = " ".join(f"{m / KIB:9.1f} | {p / KIB:9.1f}" for m, p in cells)
         print(f"    {name:34} {text} {time.monotonic() - started:5.1f}", flush=True)
-    flex = P.Options(device="cuda", reserve_gib=0.0)
     for label, o in (
-        ("flex, CUDA recipe", flex),
-        ("flex + checkpointing", dataclasses.replace(flex, activation_checkpointing=True)),
+        ("flex, CUDA recipe", planned("cuda")),
+        ("flex + checkpointing", planned("cuda", activation_checkpointing=True)),
     ):
         held = P.activation_bytes(shape, seq_len, ttt_steps, o)
         marg = held - P.activation_bytes(shape, seq_len, ttt_steps - 1, o)
         print(
             f"    {label + ' (planner only)':34} held {held / per / KIB:9.1f}   marginal step {marg / seq_len / KIB:9.1f}"
         )
-    fsdp = P.static_bytes(shape, P.Options(fsdp=True), 8) / P.GIB
-    ddp = P.static_bytes(shape, P.Options(), 8) / P.GIB
+    fsdp = P.static_bytes(shape, planned("cuda", 8, fsdp=True), 8) / P.GIB
+    ddp = P.static_bytes(shape, planned("cuda", 8), 8) / P.GIB
     print(
         f"    static per rank, 8 ranks: DDP {ddp:.2f} GiB, FSDP2 {fsdp:.2f} GiB (planner only: needs 8 ranks)"
     )
@@ -90,12 +97,15 @@ def part_a(seq_len: int, ttt_steps: int) -> None:
 
 def part_b() -> None:
     kimi = P.SHAPES["kimi-k2.5"]
-    base = P.Options()
-    sets = {
-        "none (DDP, bf16 autocast)": base,
-        "activation checkpointing": dataclasses.replace(base, activation_checkpointing=True),
-        "fsdp": dataclasses.replace(base, fsdp=True),
-        "checkpointing + fsdp": dataclasses.replace(base, activation_checkpointing=True, fsdp=True),
+    sets = {  # the reserve of a CUDA run (1 GiB) included
+        "none (DDP, bf16 autocast)": P.options_from_config(TrainConfig(), "cuda", 8),
+        "activation checkpointing": P.options_from_config(
+            TrainConfig(activation_checkpointing=True), "cuda", 8
+        ),
+        "fsdp": P.options_from_config(TrainConfig(fsdp=True), "cuda", 8),
+        "checkpointing + fsdp": P.options_from_config(
+            TrainConfig(activation_checkpointing=True, fsdp=True), "cuda", 8
+        ),
     }
     lengths = (16384, 24576, 32768)
     print(
@@ -114,7 +124,7 @@ def part_b() -> None:
             + " ".join(f"{p:8.1f}" for p in peaks)
             + f" {plan.static_gb:8.1f} {plan.max_seq_len:>16}"
         )
-    on = dataclasses.replace(base, activation_checkpointing=True, fsdp=True)
+    on = sets["checkpointing + fsdp"]
     print("\n    where the bytes go at 32768, checkpointing + fsdp (GiB):")
     for part, value in P.breakdown(kimi, 32768, 5, on, 8).items():
         print(f"      {part:10} {value}")

@@ -61,6 +61,14 @@ def tiny_model(data_dir: str):
     return model
 
 
+def run_options(**keys):
+    """The trainer's run options on CPU for config `keys` (exact attention, no autocast), resolved as it does."""
+    from eagle3.config import TrainConfig
+    from eagle3.options import resolve_options
+
+    return resolve_options(TrainConfig(**keys), "cpu")
+
+
 def worker_throughput(args) -> dict:
     """One max_seq_len: warm-up step, then timed forward+backward+AdamW steps."""
     from eagle3.model import ttt_forward
@@ -69,11 +77,12 @@ def worker_throughput(args) -> dict:
     model = tiny_model(args.data)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = packed_rows(args.data, args.seq_len, args.steps + 1)
+    forward = run_options(ttt_steps=args.ttt_steps).ttt_kwargs()
     times, tokens = [], []
     for i in range(args.steps + 1):
         row = rows[i % len(rows)]
         t0 = time.perf_counter()
-        loss, _ = ttt_forward(model, row, ttt_steps=args.ttt_steps, attention="exact")
+        loss, _ = ttt_forward(model, row, **forward)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -136,7 +145,8 @@ def worker_saved(args) -> dict:
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            loss, _ = ttt_forward(model, row, ttt_steps=t, activation_checkpointing=ac, attention="exact")
+            forward = run_options(ttt_steps=t, activation_checkpointing=ac).ttt_kwargs()
+            loss, _ = ttt_forward(model, row, **forward)
         total = sum(saved.values())
         out["ac" if ac else "no_ac"] = {"saved_bytes": total, "bytes_per_token_per_step": total / (s * t)}
         loss.backward()

@@ -36,6 +36,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from eagle3.errors import DataError
+from eagle3.options import attention_for
 
 ATTENTION_KINDS = ("auto", "flex", "exact")
 
@@ -91,9 +92,7 @@ def resolve_attention(kind: str, device: torch.device) -> str:
     """
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention={kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
-    if kind == "auto":
-        return "flex" if device.type == "cuda" else "exact"
-    return kind
+    return attention_for(kind, device.type)
 
 
 def _query_blocks(doc_start: torch.Tensor, block_size: int) -> Iterator[tuple[int, int, int, int]]:

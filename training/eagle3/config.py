@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from eagle3.errors import ConfigError
+from eagle3.options import check_attention
 
 # flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
 SEQ_BLOCK = 128
@@ -424,10 +425,7 @@ def validate(cfg: TrainConfig) -> None:
                 message = f"{spec.name}={value!r} {spec.bound.says}"
             fix = spec.fix_for(value)
             raise ConfigError(f"{message}; {fix}" if fix else message)
-    if cfg.device == "cpu" and cfg.attention == "flex":
-        raise ConfigError(
-            "attention='flex' needs CUDA (flex_attention has no backward on CPU); use attention: exact"
-        )
+    check_attention(cfg.attention, cfg.device)  # device: cpu written out; auto is checked once resolved
 
 
 # ------------------------------------------------------------------------------------- help and README

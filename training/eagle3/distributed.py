@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from eagle3.options import device_type
+
 ALLOC_CONF = "expandable_segments:True"
 
 
@@ -58,7 +60,7 @@ def expandable_segments_active() -> bool | None:
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    if device_type(requested) == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", local_rank)
 

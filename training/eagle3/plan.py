@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3 import options
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
 
 GIB = 1 << 30
@@ -118,10 +119,12 @@ SHAPES = {
 
 @dataclass(frozen=True)
 class Options:
-    """How the trainer runs, as far as memory is concerned (eagle3.train.Trainer.build_model).
+    """How the trainer runs, as far as memory is concerned: the resolved run options (eagle3.options.RunOptions,
+    see `from_run`) plus what only the memory model needs. Tests and benches also build them by hand.
 
     autocast: bf16 autocast (dtype bf16, or auto on CUDA); activations from matmuls are bf16, norms stay fp32.
-    frozen_bf16: embedding and target heads stored in bf16 (the trainer does this on CUDA with autocast).
+    frozen_bf16: embedding and target heads in bf16 in the forward (the trainer's choice on CUDA with autocast).
+    fsdp: as the config asks (check_options refuses it on one rank, where the trainer would not shard).
     """
 
     activation_checkpointing: bool = False
@@ -140,6 +143,20 @@ class Options:
     # keeps freed blocks mapped, and the trainer's address space grew 1.43 x as fast as its live tensors (measured:
     # VmPeak of `eagle3 train` at max_seq_len 2048 and 8320, hidden 64); memory_limit_gb there is RLIMIT_AS
     allocator_factor: float = 1.0
+
+    @classmethod
+    def from_run(cls, run: options.RunOptions, **memory) -> Options:
+        """The memory view of resolved run options; `memory` sets the fields only the planner has."""
+        return cls(
+            activation_checkpointing=run.activation_checkpointing,
+            fsdp=run.fsdp,
+            autocast=run.autocast,
+            frozen_bf16=run.frozen_bf16,
+            attention=run.attention,
+            loss_chunk_size=run.loss_chunk_size,
+            device=run.device,
+            **memory,
+        )
 
     @property
     def act_bytes(self) -> int:
@@ -826,20 +843,15 @@ def build_probe_step(cfg, opts: Options, seq_len: int, device):
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def options_from_config(cfg, device: str) -> Options:
-    """Options of a trainer config (eagle3.config.TrainConfig) on `device` (cuda | cpu), as train.py resolves them."""
-    autocast = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device == "cuda")
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device == "cuda" else "exact")
-    return Options(
-        activation_checkpointing=cfg.activation_checkpointing,
-        fsdp=cfg.fsdp,
-        autocast=autocast,
-        frozen_bf16=autocast and device == "cuda",
-        attention=attention,
-        loss_chunk_size=cfg.loss_chunk_size,
-        device=device,
-        reserve_gib=1.0 if device == "cuda" else cpu_reserve_gib(cfg.num_threads),
-        allocator_factor=1.0 if device == "cuda" else CPU_ALLOCATOR_FACTOR,
+def options_from_config(cfg, device: str, world_size: int = 1) -> Options:
+    """Options of a trainer config (eagle3.config.TrainConfig) on `device` (cuda | cpu | auto), resolved by
+    eagle3.options.resolve_options as the trainer resolves them, with the reserve and allocator of that device."""
+    run = options.resolve_options(cfg, device, world_size)
+    cuda = run.device == "cuda"
+    return Options.from_run(
+        run,
+        reserve_gib=1.0 if cuda else cpu_reserve_gib(cfg.num_threads),
+        allocator_factor=1.0 if cuda else CPU_ALLOCATOR_FACTOR,
     )
 
 
@@ -871,13 +883,6 @@ def shape_from_config(cfg) -> tuple[Shape, int]:
     )  # fmt: skip
     data_bytes = {"float32": 4, "fp32": 4}.get(str(index.dtype).replace("torch.", ""), 2)
     return shape, data_bytes
-
-
-def local_device() -> str:
-    """device: auto resolved as the trainer resolves it on this machine (the plan runs where the trainer will)."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_trainer_config(path: str):
@@ -992,7 +997,7 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
         ttt_steps = cfg.ttt_steps
         memory = cfg.memory_limit_gb or None
         if args.device is None:
-            device = cfg.device if cfg.device in ("cpu", "cuda") else local_device()
+            device = cfg.device  # auto: resolved on this machine (the plan runs where the trainer will)
     else:
         cfg = TrainConfig()  # the trainer's defaults, from its declaration
         if args.shape:
@@ -1011,7 +1016,7 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
     for key in ("dtype", "attention", "activation_checkpointing", "fsdp", "loss_chunk_size"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
-    opts = dataclasses.replace(options_from_config(cfg, device), data_bytes=data_bytes)
+    opts = dataclasses.replace(options_from_config(cfg, device, args.world_size), data_bytes=data_bytes)
     if args.reserve_gb is not None:
         opts = dataclasses.replace(opts, reserve_gib=args.reserve_gb)
     ttt_steps = args.ttt_steps if args.ttt_steps is not None else ttt_steps

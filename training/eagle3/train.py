@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
+from eagle3 import options
 from eagle3.config import TrainConfig, dump_config, load_config
 from eagle3.data import DatasetReader
 from eagle3.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_OOM, ConfigError, DataError, DiskFullError
@@ -252,14 +253,11 @@ class Trainer:
             raise ConfigError(
                 f"max_seq_len={cfg.max_seq_len} leaves nothing to supervise at ttt_steps={cfg.ttt_steps}"
             )
-        if cfg.fsdp and not self.info.enabled:
-            self.log("note: fsdp: true with a single process shards nothing; training unsharded")
-        if self.info.device.type == "cpu" and cfg.attention == "flex":
-            raise ConfigError(
-                "attention='flex' needs CUDA (flex_attention has no backward on CPU); use exact or auto"
-            )
-        if self.info.device.type == "cuda" and cfg.dtype == "fp32":
-            self.log("note: dtype fp32 on CUDA (no autocast); bf16 is faster and smaller")
+        # dtype, attention, sharding and the TTT keywords, resolved for this device (one function for the
+        # trainer, the planner and the benches); flex attention on a CPU device exits 2 here.
+        self.run_options = options.resolve_options(cfg, self.info.device, self.info.world_size)
+        for note in self.run_options.notes:
+            self.log(note)
 
     def plan(self, epoch: int) -> EpochPlan:
         if getattr(self, "_plan", None) is None or self._plan.epoch != epoch:
@@ -284,21 +282,12 @@ class Trainer:
         target = self.reader.target_weights()
         model.load_target_weights(target["embed"], target["final_norm"], target["lm_head"], t2d, d2t)
         self.model = model.to(device)
-        autocast_dtype = None
-        if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda"):
-            autocast_dtype = torch.bfloat16
+        run = self.run_options
+        autocast_dtype = torch.bfloat16 if run.autocast else None
         self.autocast_dtype = autocast_dtype
-        self.sharded = cfg.fsdp and self.info.enabled
-        if device.type == "cuda" and autocast_dtype is not None and not self.sharded:
-            self.model.frozen_to(autocast_dtype)  # frozen embedding and target heads in bf16: half the bytes
-        self.ttt_options = {
-            "ttt_steps": cfg.ttt_steps,
-            "gamma": cfg.ttt_gamma,
-            "activation_checkpointing": cfg.activation_checkpointing,
-            "loss_chunk_size": cfg.loss_chunk_size,
-            "attention": cfg.attention,
-        }
-        if self.sharded:
+        if run.store_frozen_bf16:
+            self.model.frozen_to(torch.bfloat16)  # frozen embedding and target heads in bf16: half the bytes
+        if run.sharded:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -483,9 +472,9 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         # Collectives under FSDP (every rank takes part); full tensors on the CPU of rank 0.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(self.model, options=options)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=full)
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=full)
         if main and failure is None:
             try:
                 ckpt.write_main(
@@ -570,20 +559,22 @@ class Trainer:
             # A stop must not wait for a long validation; the result is then dropped. Under FSDP every
             # forward is a collective, so the ranks agree on stopping row by row and run filler rows.
             stop = (
-                dist_utils.any_rank(self.stop.requested, self.info) if self.sharded else self.stop.requested
+                dist_utils.any_rank(self.stop.requested, self.info)
+                if self.run_options.sharded
+                else self.stop.requested
             )
             if stop:
                 aborted = True
                 break
             self.watchdog.touch(f"validation at step {step}")
             ids = assignment[self.info.rank]
-            if not ids and not self.sharded:
+            if not ids and not self.run_options.sharded:
                 continue
             row, real = self.fetch_row(ids, plan.steps[0][0][0])
-            if not real and not self.sharded:
+            if not real and not self.run_options.sharded:
                 continue
             with self.autocast():
-                _, stats = ttt_forward(self.model, self.to_device(row), **self.ttt_options)
+                _, stats = ttt_forward(self.model, self.to_device(row), **self.run_options.ttt_kwargs())
             if real:
                 acc.add_stats(stats)
         # One collective: the statistics and whether any rank gave up early.
@@ -651,7 +642,7 @@ class Trainer:
             self.sync()
             t1 = time.perf_counter()
             with self.autocast():
-                loss, stats = ttt_forward(self.step_module, batch, **self.ttt_options)
+                loss, stats = ttt_forward(self.step_module, batch, **self.run_options.ttt_kwargs())
             inject_oom(state.step + 1, info.rank, resumed_from or 0)  # tests only: EAGLE3_FAULT_OOM_AT_STEP
             if not real:
                 loss = loss * 0.0
@@ -745,7 +736,7 @@ class Trainer:
         mem_gb, mem_kind = peak_memory_gb(info.device)
         slots = torch.zeros(2, info.world_size, dtype=torch.float64)  # [2, W] memory, parameter checksum
         slots[0, info.rank] = mem_gb
-        if info.enabled and not self.sharded:  # FSDP ranks hold different shards by design
+        if info.enabled and not self.run_options.sharded:  # FSDP ranks hold different shards by design
             slots[1, info.rank] = dist_utils.param_checksum(self.model)
         flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten()])
         flat = dist_utils.all_reduce(flat, info)
@@ -784,7 +775,7 @@ class Trainer:
             "peak_mem_gb": float(slots[0].max()),
             "peak_mem_gb_per_rank": slots[0].tolist(),
             "mem_kind": mem_kind,
-            "param_checksums": slots[1].tolist() if info.enabled and not self.sharded else None,
+            "param_checksums": slots[1].tolist() if info.enabled and not self.run_options.sharded else None,
             "eta_s": remaining * step_time,
             "world_size": info.world_size,
         }

@@ -11,6 +11,7 @@ MODULES = [
     "eagle3.packing",
     "eagle3.checkpoint",
     "eagle3.metrics",
+    "eagle3.options",
     "eagle3.standin",
     "eagle3.train",
     "eagle3.synth",
