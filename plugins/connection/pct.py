@@ -4,7 +4,8 @@
 
 Every command becomes ``pct exec <vmid> -- /bin/sh -c <cmd>``. When the node is the controller itself the
 argv runs locally; otherwise it runs over ssh on the node, as one shell-quoted command line. Files travel
-through the same channel (``cat`` on stdin/stdout), so no temporary copy on the node is needed.
+through the same channel (``cat`` on stdin/stdout), so no temporary copy on the node is needed. See
+docs/connection.md for who runs what as which user, and the environment a command sees.
 """
 
 from __future__ import annotations
@@ -15,9 +16,28 @@ short_description: Run tasks inside a Proxmox VE container through C(pct exec) o
 description:
   - Runs every command as C(pct exec <vmid> -- /bin/sh -c <cmd>) on the Proxmox VE node that hosts the
     container, over ssh, or locally when the node is the controller.
-  - Transfers files through the same channel, so nothing is staged on the node.
+  - Transfers files through the same channel, so nothing is staged on the node. A file is streamed from disk to
+    the command's stdin (an installer of hundreds of MB is never held in memory); a fetched file is written to a
+    temporary name in the destination folder and renamed into place, so a failed fetch leaves no partial file.
   - C(pct exec) wraps C(lxc-attach); the project's C(bin/pct-local) stand-in maps it onto a local LXC
     container so the same plugin drives the embedded default CT.
+  - Over ssh, ssh's exit code 255 (it could not reach or log in to the node) makes the host UNREACHABLE
+    rather than failing the task. A command in the container that itself exits 255 reads the same over ssh (as
+    with Ansible's ssh connection); with a local node an exit code 255 is an ordinary result.
+  - "Users and become: C(pct exec) runs the command as root (uid 0) inside the container, whatever
+    C(ansible_user) says; the user namespace of an unprivileged container maps that root to an unprivileged host
+    uid. On a remote node, ssh logs in as O(node_user), which must be root (C(pct) refuses other users); locally
+    C(pct) runs as the user that runs Ansible. C(become) with C(become_user=root), the default, changes nothing
+    (Ansible skips it because the connection user is root already); another C(become_user) runs the become
+    method (C(su), C(sudo)) inside the container, which must provide it. No become password is ever sent, and
+    become never applies to the node."
+  - "Environment: C(pct exec) keeps the environment it was started with (pve-container's C(--keep-env), on by
+    default) minus C(SSL_CERT_FILE) and C(SSL_CERT_DIR), and C(lxc-attach) adds C(container=lxc). Over ssh
+    that is the ssh session's environment on the node (C(PATH), C(HOME), C(USER), C(LOGNAME), C(SHELL), C(SSH_*)
+    and whatever the client sends, typically C(LANG) and C(LC_*)). With a local node the plugin starts C(pct)
+    with the same kind of environment (C(PATH), C(HOME), C(USER), C(LOGNAME), C(SHELL), C(LANG), C(LANGUAGE),
+    C(LC_*), C(PCT_LOCAL_*)), never the whole controller environment, so that tokens and passwords in it
+    (C(PROXMOX_TOKEN_SECRET), ...) do not reach the container."
 author: eagle3-pve contributors
 version_added: "0.1.0"
 options:
@@ -50,11 +70,54 @@ options:
     vars:
       - name: pct_ssh_executable
   ssh_args:
-    description: Extra arguments for ssh (a string, split like a shell would).
+    description:
+      - Extra arguments for ssh (a string, split like a shell would).
+      - They come before the plugin's own C(-o ControlPath) and C(-o ConnectTimeout), and ssh keeps the first
+        value it is given for an option, so a C(ControlPath) or C(ConnectTimeout) set here wins.
     type: str
     default: '-o BatchMode=yes -o ControlMaster=auto -o ControlPersist=60s'
     vars:
       - name: pct_ssh_args
+  ssh_connect_timeout:
+    description:
+      - Seconds ssh may take to connect to the node (ssh's C(ConnectTimeout)); a node that does not answer in
+        time is UNREACHABLE instead of hanging for the system's TCP timeout.
+      - C(0) leaves ssh's own default (no C(ConnectTimeout) is passed).
+    type: int
+    default: 10
+    env:
+      - name: ANSIBLE_TIMEOUT
+    ini:
+      - section: defaults
+        key: timeout
+    vars:
+      - name: pct_ssh_connect_timeout
+  ssh_control_path_dir:
+    description:
+      - Folder of the ssh control sockets (created, mode 0700, when first used); the same folder as Ansible's ssh
+        connection uses.
+    type: path
+    default: ~/.ansible/cp
+    env:
+      - name: ANSIBLE_SSH_CONTROL_PATH_DIR
+    ini:
+      - section: ssh_connection
+        key: control_path_dir
+    vars:
+      - name: pct_ssh_control_path_dir
+  ssh_control_path:
+    description:
+      - The ssh C(ControlPath), the socket through which the C(ControlMaster)/C(ControlPersist) of O(ssh_args)
+        reuse one ssh connection to a node for every C(pct exec) (without a C(ControlPath) they do nothing).
+      - Empty (the default) means C(<ssh_control_path_dir>/pct-<hash>), 10 hex digits of a hash of O(node_user),
+        O(node) and O(ssh_args); so one socket per node and way of reaching it, and a path well below the
+        108-byte limit of a socket path (as Ansible's ssh connection does).
+      - Any other value is passed as it is; ssh expands its C(%) tokens (C(%C), C(%h), ...) and C(~).
+      - C(none) passes no C(ControlPath) (each command opens its own ssh connection).
+    type: str
+    default: ''
+    vars:
+      - name: pct_ssh_control_path
   pct_command:
     description:
       - The C(pct) command on the node, with any leading arguments (a string, split like a shell would).
@@ -85,9 +148,22 @@ options:
     default: 0
     vars:
       - name: pct_command_timeout
+notes:
+  - docs/connection.md in the repository describes users, become and the environment in more detail, with sources.
 """
 
+EXAMPLES = r"""
+# inventory host_vars of a training CT on a remote node
+ansible_connection: pct
+pct_vmid: 129
+pct_node: pve1.example.com
+pct_node_user: root
+pct_ssh_connect_timeout: 20
+"""
+
+import hashlib
 import os
+import secrets
 import shlex
 import subprocess
 
@@ -99,6 +175,12 @@ from ansible.utils.display import Display
 display = Display()
 
 LOCAL_NODES = ("", "localhost", "local", "127.0.0.1", "::1")
+# ssh's own exit code for "could not connect or log in" (a remote command's code is passed through otherwise).
+SSH_FAILED = 255
+# What a local `pct` gets from the controller's environment: what an ssh login to a node would give it
+# (sshd sets PATH, HOME, USER, LOGNAME, SHELL; Debian's ssh client sends LANG and LC_*), plus the stand-in's own.
+LOCAL_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE")
+LOCAL_ENV_PREFIXES = ("LC_", "PCT_LOCAL_")
 
 
 def pct_exec_argv(pct_command: str, vmid: int, argv: list[str]) -> list[str]:
@@ -110,7 +192,25 @@ def pct_exec_argv(pct_command: str, vmid: int, argv: list[str]) -> list[str]:
     return [*shlex.split(pct_command), "exec", str(int(vmid)), "--", *argv]
 
 
-def node_argv(node: str, user: str, ssh_executable: str, ssh_args: str, argv: list[str]) -> list[str]:
+def ssh_options(control_path: str, connect_timeout: int) -> list[str]:
+    """The plugin's own ssh options, after the user's ssh_args (ssh keeps the first value of an option).
+
+    >>> ssh_options("/root/.ansible/cp/pct-%C", 10)
+    ['-o', 'ControlPath=/root/.ansible/cp/pct-%C', '-o', 'ConnectTimeout=10']
+    >>> ssh_options("", 0)
+    []
+    """
+    options = []
+    if control_path:
+        options += ["-o", f"ControlPath={control_path}"]
+    if connect_timeout:
+        options += ["-o", f"ConnectTimeout={int(connect_timeout)}"]
+    return options
+
+
+def node_argv(
+    node: str, user: str, ssh_executable: str, ssh_args: str, argv: list[str], options: list[str] = ()
+) -> list[str]:
     """Wrap ``argv`` so that it runs on the node: unchanged when local, one quoted command line over ssh.
 
     ssh hands the remote shell a single string, so the argv is joined with POSIX quoting and the node's
@@ -122,7 +222,63 @@ def node_argv(node: str, user: str, ssh_executable: str, ssh_args: str, argv: li
     if node in LOCAL_NODES:
         return list(argv)
     target = f"{user}@{node}" if user else node
-    return [ssh_executable, *shlex.split(ssh_args), target, "--", shlex.join(argv)]
+    return [ssh_executable, *shlex.split(ssh_args), *options, target, "--", shlex.join(argv)]
+
+
+def control_socket_name(user: str, node: str, ssh_args: str) -> str:
+    """The default control socket's name: 'pct-' and 10 hex digits of a hash of who connects where, and how.
+
+    Short (ssh adds a 17-character suffix while it creates the socket, and a socket path has at most 107 bytes),
+    and one per node, user and ssh_args (which may name another port or key).
+
+    >>> control_socket_name("root", "pve1", "-o BatchMode=yes")
+    'pct-666b52a2f2'
+    """
+    digest = hashlib.sha1(f"{user}@{node} {ssh_args}".encode(), usedforsecurity=False).hexdigest()
+    return f"pct-{digest[:10]}"
+
+
+def local_env(environ: dict) -> dict:
+    """The environment a local ``pct`` starts with: the login-like part of the controller's, no secrets.
+
+    >>> sorted(local_env({"PATH": "/bin", "LC_ALL": "C", "PROXMOX_TOKEN_SECRET": "x", "HOME": "/root"}))
+    ['HOME', 'LC_ALL', 'PATH']
+    """
+    return {k: v for k, v in environ.items() if k in LOCAL_ENV_NAMES or k.startswith(LOCAL_ENV_PREFIXES)}
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def open_beside(path: bytes) -> tuple[int, bytes]:
+    """A new file next to ``path`` (same folder, so a rename into place is atomic), opened for writing.
+
+    It gets the mode of ``path`` when that exists (a private file stays private once replaced), else 0666 minus
+    the umask, as a plain ``open(path, "wb")`` would.
+    """
+    folder, name = os.path.split(path)
+    for _ in range(100):
+        tmp = os.path.join(folder, b"." + name + b"." + secrets.token_hex(4).encode() + b".part")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            try:
+                mode = os.stat(path).st_mode & 0o7777
+            except FileNotFoundError:
+                mode = 0o666 & ~current_umask()
+            os.fchmod(fd, mode)
+        except OSError:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        return fd, tmp
+    raise AnsibleError(f"pct: cannot create a temporary file beside {to_text(path)}")
 
 
 class Connection(ConnectionBase):
@@ -130,7 +286,8 @@ class Connection(ConnectionBase):
 
     transport = "pct"
     has_pipelining = True
-    # The container is a separate root file system: the remote tmp dir lives inside it.
+    # pct exec runs as root in the container, whatever ansible_user says: Ansible compares become_user with this,
+    # so become to root is skipped (docs/connection.md).
     default_user = "root"
 
     def _connect(self):
@@ -142,48 +299,89 @@ class Connection(ConnectionBase):
             self._connected = True
         return self
 
+    def _remote(self) -> bool:
+        return (self.get_option("node") or "") not in LOCAL_NODES
+
+    def _control_path(self) -> str:
+        """The ControlPath for ssh ('' for none), its folder created (0700) when it is the default one."""
+        path = self.get_option("ssh_control_path") or ""
+        if path.lower() == "none":
+            return ""
+        if not path:
+            folder = os.path.expanduser(self.get_option("ssh_control_path_dir"))
+            try:
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+            except OSError as e:
+                raise AnsibleError(f"pct: cannot create the ssh control socket folder {folder}: {e}") from e
+            path = os.path.join(
+                folder,
+                control_socket_name(
+                    self.get_option("node_user"), self.get_option("node"), self.get_option("ssh_args")
+                ),
+            )
+        return path
+
     def _argv(self, inner: list[str]) -> list[str]:
+        pct_argv = pct_exec_argv(self.get_option("pct_command"), self.get_option("vmid"), inner)
+        if not self._remote():
+            return pct_argv
         return node_argv(
-            self.get_option("node") or "",
+            self.get_option("node"),
             self.get_option("node_user"),
             self.get_option("ssh_executable"),
             self.get_option("ssh_args"),
-            pct_exec_argv(self.get_option("pct_command"), self.get_option("vmid"), inner),
+            pct_argv,
+            ssh_options(self._control_path(), self.get_option("ssh_connect_timeout")),
         )
 
-    def _run(self, inner: list[str], in_data: bytes | None = None, stdout=subprocess.PIPE):
+    def _run(self, inner: list[str], stdin=None, stdout=subprocess.PIPE):
+        """Run ``inner`` in the container; ``stdin`` is bytes, an open file (streamed by the child) or None.
+
+        Returns (rc, stdout, stderr). Over ssh, ssh's own failure (exit 255) raises AnsibleConnectionFailure,
+        which Ansible reports as UNREACHABLE.
+        """
         argv = self._argv(inner)
         display.vvvv(f"PCT EXEC {argv!r}", host=self._play_context.remote_addr)
         timeout = self.get_option("command_timeout") or None
+        from_file = stdin is not None and not isinstance(stdin, bytes)
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=stdout, stderr=subprocess.PIPE)
+            proc = subprocess.Popen(
+                argv,
+                stdin=stdin if from_file else subprocess.PIPE,
+                stdout=stdout,
+                stderr=subprocess.PIPE,
+                env=None if self._remote() else local_env(os.environ),
+            )
         except OSError as e:
             raise AnsibleConnectionFailure(f"pct: cannot run {argv[0]!r}: {e}") from e
         try:
-            out, err = proc.communicate(in_data, timeout=timeout)
+            out, err = proc.communicate(None if from_file else stdin, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             proc.kill()
             proc.communicate()
             raise AnsibleConnectionFailure(
                 f"pct: command timed out after {timeout}s: {shlex.join(inner)}"
             ) from e
+        if proc.returncode == SSH_FAILED and self._remote():
+            raise AnsibleConnectionFailure(
+                f"pct: ssh to {self.get_option('node_user')}@{self.get_option('node')} failed (exit 255): "
+                f"{to_text(err, errors='surrogate_or_replace').strip() or 'no message'}"
+            )
         return proc.returncode, out or b"", err or b""
 
     def exec_command(self, cmd, in_data=None, sudoable=True):
         super().exec_command(cmd, in_data=in_data, sudoable=sudoable)
-        rc, out, err = self._run(["/bin/sh", "-c", to_text(cmd, errors="surrogate_or_strict")], in_data)
-        if rc == 255 and self.get_option("node") not in LOCAL_NODES:
-            display.vvv(f"PCT: ssh to the node failed: {to_text(err)}")
-        return rc, out, err
+        return self._run(["/bin/sh", "-c", to_text(cmd, errors="surrogate_or_strict")], in_data)
 
     def put_file(self, in_path, out_path):
         super().put_file(in_path, out_path)
         display.vvv(f"PUT {in_path} TO {out_path}", host=self._play_context.remote_addr)
-        if not os.path.exists(to_bytes(in_path, errors="surrogate_or_strict")):
+        b_in = to_bytes(in_path, errors="surrogate_or_strict")
+        if not os.path.exists(b_in):
             raise AnsibleFileNotFound(f"file or module does not exist: {in_path}")
-        with open(to_bytes(in_path, errors="surrogate_or_strict"), "rb") as f:
-            data = f.read()
-        rc, _out, err = self._run(["/bin/sh", "-c", f"cat > {shlex.quote(out_path)}"], data)
+        # The file itself is the child's stdin: ssh (or pct) reads it in chunks, nothing is held in memory here.
+        with open(b_in, "rb") as f:
+            rc, _out, err = self._run(["/bin/sh", "-c", f"cat > {shlex.quote(out_path)}"], f)
         if rc != 0:
             raise AnsibleError(
                 f"pct: failed to write {out_path} in CT {self.get_option('vmid')}: {to_text(err)}"
@@ -192,12 +390,25 @@ class Connection(ConnectionBase):
     def fetch_file(self, in_path, out_path):
         super().fetch_file(in_path, out_path)
         display.vvv(f"FETCH {in_path} TO {out_path}", host=self._play_context.remote_addr)
-        with open(to_bytes(out_path, errors="surrogate_or_strict"), "wb") as f:
-            rc, _out, err = self._run(["cat", "--", in_path], None, stdout=f)
-        if rc != 0:
-            raise AnsibleError(
-                f"pct: failed to read {in_path} in CT {self.get_option('vmid')}: {to_text(err)}"
-            )
+        b_out = to_bytes(out_path, errors="surrogate_or_strict")
+        fd, tmp = open_beside(b_out)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                rc, _out, err = self._run(["cat", "--", in_path], None, stdout=f)
+                if rc == 0:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if rc != 0:
+                raise AnsibleError(
+                    f"pct: failed to read {in_path} in CT {self.get_option('vmid')}: {to_text(err)}"
+                )
+            os.replace(tmp, b_out)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
 
     def close(self):
         self._connected = False
