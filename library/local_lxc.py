@@ -81,18 +81,20 @@ leftovers:
 import glob
 import os
 import shutil
-import subprocess
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.run_bounded import CommandTimeout, run_bounded
 
 
 def lxc(module, *args, check=True, timeout=120):
     cmd = [args[0], "-P", module.params["lxcpath"], "-n", module.params["name"], *args[1:]]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        module.fail_json(msg=f"{' '.join(cmd)} did not finish within {timeout}s")
+        proc = run_bounded(cmd, timeout)
+    except CommandTimeout as exc:
+        module.fail_json(msg=str(exc))
+    except OSError as exc:
+        module.fail_json(msg=f"cannot run {cmd[0]}: {exc} (is the lxc package installed?)")
     if check and proc.returncode != 0:
         module.fail_json(
             msg=f"{' '.join(cmd)} failed (rc={proc.returncode}): {proc.stderr.strip()}",

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import csv
 import shutil
-import subprocess
 import threading
+
+try:
+    from ansible.module_utils.run_bounded import CommandTimeout, run_bounded
+except ImportError:  # imported as module_utils.nvml outside Ansible (tests, bench)
+    from module_utils.run_bounded import CommandTimeout, run_bounded
 
 # "100 % util at 250 W of 600 W": kernels (NCCL busy-waits) are resident but the SMs are mostly idle.
 STARVED_MIN_UTILIZATION_PCT = 90.0
@@ -36,6 +40,10 @@ SMI_FIELDS = (
 
 class GpuQueryError(Exception):
     """NVML and nvidia-smi are present but gave no answer (hang, driver mismatch, ...)."""
+
+
+class GpuQueryTimeout(GpuQueryError):
+    """NVML or nvidia-smi did not answer in time ('... timed out after N s')."""
 
 
 def _number(text: str) -> float | None:
@@ -124,11 +132,9 @@ def query_smi(timeout: float, smi: str = "nvidia-smi") -> tuple[list[dict], str 
     """Ask nvidia-smi; ([], None) when it reports no devices; GpuQueryError when it fails or hangs."""
     cmd = [smi, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise GpuQueryError(
-            f"{smi} did not answer within {timeout:g} s (hung driver after an Xid?)"
-        ) from None
+        run = run_bounded(cmd, timeout, what=smi)
+    except CommandTimeout as e:
+        raise GpuQueryTimeout(f"{e}: it did not answer (hung driver after an Xid?)") from None
     except OSError as e:
         raise GpuQueryError(f"cannot run {smi}: {e.strerror}") from None
     if run.returncode != 0:
@@ -190,7 +196,9 @@ def query_nvml(timeout: float, pynvml) -> tuple[list[dict], str | None]:
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        raise GpuQueryError(f"NVML did not answer within {timeout:g} s (hung driver after an Xid?)")
+        raise GpuQueryTimeout(
+            f"NVML timed out after {timeout:g} s: it did not answer (hung driver after an Xid?)"
+        )
     if "error" in box:
         if type(box["error"]).__name__ in NO_GPU_ERRORS:
             return [], None
@@ -219,7 +227,7 @@ def query_gpus(timeout: float = 10.0, smi: str = "nvidia-smi", pynvml="auto") ->
             return {"source": "nvml", "gpus": gpus, "driver_version": driver, "error": None}
         except GpuQueryError as e:
             nvml_error = str(e)
-            if "did not answer" in nvml_error:
+            if isinstance(e, GpuQueryTimeout):
                 # A hung driver hangs nvidia-smi too: do not spend a second timeout on it.
                 return {"source": "nvml", "gpus": [], "driver_version": None, "error": nvml_error}
     else:

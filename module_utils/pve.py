@@ -23,6 +23,12 @@ except ImportError:  # plain pytest of the pure functions without Ansible instal
         raise NotImplementedError("env_fallback needs ansible-core")
 
 
+try:
+    from ansible.module_utils.run_bounded import CommandTimeout, run_bounded
+except ImportError:  # imported as module_utils.pve outside Ansible
+    from module_utils.run_bounded import CommandTimeout, run_bounded
+
+
 DEFAULT_PORT = 8006
 DEFAULT_TIMEOUT = 10
 # PVE's own limits (pve-container: dev0..dev255; pve-vmid: 100..999999999).
@@ -159,6 +165,7 @@ def connect(params):
     try:
         if mode == "local":
             api = ProxmoxAPI(backend="local", timeout=timeout)
+            bound_local_backend(api, timeout, params.get("task_timeout") or timeout)
         else:
             verify = params.get("ca_path") or bool(params.get("validate_certs", True))
             kwargs = dict(port=params.get("api_port") or DEFAULT_PORT, verify_ssl=verify, timeout=timeout)
@@ -195,6 +202,31 @@ def connect(params):
     except (OSError, ValueError) as exc:  # the local backend: pvesh missing or not JSON
         raise PveError(f"cannot use {where}: {exc}") from None
     return api, str((version or {}).get("version", ""))
+
+
+def bound_local_backend(api, timeout, task_timeout):
+    """Make proxmoxer's local backend (pvesh) bounded: its own wait stops at the timeout but leaves pvesh running.
+
+    A read (pvesh get) that overruns timeout is killed; a change (create, set, delete) runs a PVE task in the
+    foreground, so it may take task_timeout and is left running when it overruns (cutting a task off halfway
+    could leave a half-created CT). Either way the call fails with 'pvesh ... timed out after N s'.
+    """
+    session = api._backend.session
+
+    def bounded_exec(cmd):
+        verb = cmd[cmd.index("pvesh") + 1] if "pvesh" in cmd[:2] else ""
+        read = verb in ("get", "ls", "usage")
+        limit = timeout if read else max(timeout, task_timeout)
+        what = " ".join(cmd[: cmd.index("pvesh") + 3] if "pvesh" in cmd[:2] else cmd[:1])  # never the values
+        try:
+            done = run_bounded(cmd, limit, what=what, kill=read)
+        except CommandTimeout as exc:
+            raise PveError(
+                f"{exc} (is pve-cluster/pmxcfs hanging? `systemctl status pve-cluster pvedaemon` on the node)"
+            ) from None
+        return done.stdout, done.stderr, done.returncode
+
+    session._exec = bounded_exec
 
 
 def api_error_text(exc):

@@ -299,7 +299,7 @@ def test_hanging_nvidia_smi_is_unverified_not_success(jobs, devices, args, capsy
     assert time.monotonic() - started < 30  # the fake nvidia-smi never answers: cut off, not waited for
     assert not job.alive() and not out.get("failed")
     assert out["gpu_memory"]["status"] == "unverified"
-    assert "did not answer within 1 s" in out["gpu_memory"]["message"]
+    assert "timed out after 1 s" in out["gpu_memory"]["message"]
 
 
 def test_doctests():

@@ -242,4 +242,4 @@ def test_a_hanging_nvidia_smi_is_bounded(tmp_path, capsys):
     began = time.monotonic()
     facts = run_module(userspace, dict(nvidia_smi=smi, timeout=1, lib_dirs=[]), capsys)["ansible_facts"]
     assert time.monotonic() - began < 40  # cut off at 1 s, not the 120 s the fake sleeps
-    assert "did not answer within 1s" in facts["gpu_userspace_smi_error"]
+    assert "timed out after 1 s" in facts["gpu_userspace_smi_error"]

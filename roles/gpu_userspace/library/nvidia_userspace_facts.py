@@ -58,9 +58,9 @@ ansible_facts:
 import os
 import re
 import shutil
-import subprocess
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.run_bounded import CommandTimeout, run_bounded
 
 LIB = re.compile(r"^libnvidia-ml\.so\.(\d+\.\d+(?:\.\d+)?)$")
 
@@ -90,15 +90,11 @@ def smi_driver_version(command, timeout):
     if binary is None:
         return "", f"{command} not found (the userspace driver is not installed)"
     try:
-        proc = subprocess.run(
-            [binary, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+        proc = run_bounded(
+            [binary, "--query-gpu=driver_version", "--format=csv,noheader"], timeout, what=command
         )
-    except subprocess.TimeoutExpired:
-        return "", f"{command} did not answer within {timeout}s (a GPU error, see dmesg on the host)"
+    except CommandTimeout as exc:
+        return "", f"{exc}: it did not answer (a GPU error, see dmesg on the host)"
     except OSError as exc:
         return "", f"{command} could not run: {exc}"
     lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
