@@ -116,6 +116,9 @@ options:
   api_password:
     description: Password for a ticket (the only API identity that may set devN is C(root@pam)). Falls back to C(PROXMOX_PASSWORD).
     type: str
+  api_otp:
+    description: Current TOTP code, for an account with two-factor authentication (valid for 30 s).
+    type: str
   api_token_id:
     description: API token name (C(ansible)) or full id (C(root@pam!ansible)). Falls back to C(PROXMOX_TOKEN_ID).
     type: str
@@ -262,13 +265,13 @@ from ansible.module_utils.pve import (
     AUTH_ARGUMENT_SPEC,
     AUTH_REQUIRED_TOGETHER,
     DEVICE_RULE,
+    ROOT_RULES,
     PveError,
     PveTaskError,
     api_error_text,
     assign_devices,
     check_vmid,
     connect,
-    dev_keys,
     desired_config,
     device_rule_message,
     identity_of,
@@ -276,6 +279,9 @@ from ansible.module_utils.pve import (
     parse_devices,
     plan_changes,
     predict_pending,
+    rights_message,
+    rights_needed,
+    root_rule_message,
     pve_bool,
     pve_major,
     render_config,
@@ -284,6 +290,16 @@ from ansible.module_utils.pve import (
 )
 
 STALE_DIGEST = "detected modified configuration"
+
+
+class _Everything(frozenset):
+    """The privileges of an identity whose permissions could not be read: PVE itself will decide."""
+
+    def __contains__(self, item):
+        return True
+
+
+_ALL = _Everything()
 
 
 class CtRun:
@@ -313,6 +329,8 @@ class CtRun:
         )
         self.devices = parse_devices(self.p["devices"]) if self.p["devices"] is not None else None
         self.running_config = {}
+        self.pool = None
+        self.held = {}  # path -> privileges this identity holds there
 
     # ------------------------------------------------------------ api calls
 
@@ -329,6 +347,9 @@ class CtRun:
             text = api_error_text(exc)
             if DEVICE_RULE in text:
                 raise PveError(device_rule_message(self.identity, ["devN"])) from None
+            for rule in ROOT_RULES:
+                if rule in text:
+                    raise PveError(root_rule_message(self.identity, {rule: [what]})) from None
             raise PveError(f"{what} failed: {text}") from None
 
     def run_task(self, what, fn, **kwargs):
@@ -376,6 +397,7 @@ class CtRun:
                         self.vmid, guest.get("name"), guest.get("node")
                     )
                 )
+            self.pool = guest.get("pool")
             if guest.get("node") != self.node:
                 raise PveError(
                     "CT {0} lives on node {1}, not {2}: set node={1} (or migrate it first)".format(
@@ -407,9 +429,53 @@ class CtRun:
                 )
             )
 
-    def check_device_identity(self, keys):
-        if keys and not may_set_devices(self.identity):
-            raise PveError(device_rule_message(self.identity, keys))
+    def check_rights(self, current, updates, deletes, unprivileged, create=False):
+        """Fail before any change (and in check mode) when PVE would refuse it to this identity.
+
+        root@pam (password ticket, or pvesh on the node) may do everything. Any other identity, API
+        tokens of root@pam included, may not touch devN, hookscript, or feature flags other than nesting
+        (none at all on a privileged CT); the rest needs privileges, read from GET /access/permissions.
+        """
+        if may_set_devices(self.identity):
+            return
+        root_only, privileges = rights_needed(self.vmid, current, updates, deletes, unprivileged, create)
+        if list(root_only) == [DEVICE_RULE]:
+            raise PveError(device_rule_message(self.identity, root_only[DEVICE_RULE]))
+        if root_only:
+            raise PveError(root_rule_message(self.identity, root_only))
+        missing = {}
+        for (path, privilege), keys in privileges.items():
+            if privilege not in self.privileges(path):
+                missing[(path, privilege)] = keys
+        pool = self.pool
+        if pool:
+            on_pool = self.privileges(f"/pool/{pool}")
+            missing = {
+                (path, priv): keys
+                for (path, priv), keys in missing.items()
+                if not (path.startswith("/vms/") and priv in on_pool)
+            }
+        if missing:
+            raise PveError(rights_message(self.identity, missing, pool))
+
+    def privileges(self, path):
+        """The privileges this identity holds on path (GET /access/permissions); everything when unknown."""
+        if path not in self.held:
+            try:
+                answer = self.api.access.permissions.get(path=path) or {}
+            except Exception:  # cannot tell: leave the decision to PVE itself
+                answer = None
+            if answer is None:
+                self.held[path] = _ALL
+            else:
+                self.held[path] = {
+                    priv
+                    for privs in answer.values()
+                    if isinstance(privs, dict)
+                    for priv, on in privs.items()
+                    if on
+                }
+        return self.held[path]
 
     # ------------------------------------------------------------ create
 
@@ -423,10 +489,12 @@ class CtRun:
     def create(self):
         self.check_template()
         wanted = self.wanted({})
-        self.check_device_identity(dev_keys(wanted))
         body = dict(wanted, vmid=self.vmid, ostemplate=self.p["template"])
         if self.p["rootfs"]:
             body["rootfs"] = self.p["rootfs"]
+        unprivileged = self.p["unprivileged"] is None or self.p["unprivileged"]  # PVE's default: unprivileged
+        options = dict(wanted, rootfs=self.p["rootfs"]) if self.p["rootfs"] else wanted
+        self.check_rights({}, options, [], unprivileged, create=True)
         if self.p["unprivileged"] is not None:
             body["unprivileged"] = pve_bool(self.p["unprivileged"])
         self.result.update(changed=True, created=True, updated=sorted(wanted))
@@ -463,7 +531,12 @@ class CtRun:
                 )
             wanted = self.wanted(current)
             updates, deletes = plan_changes(current, wanted, self.devices is not None)
-            self.check_device_identity(sorted(k for k in list(updates) + deletes if k.startswith("dev")))
+            self.check_rights(
+                self.running_config or current,
+                updates,
+                deletes,
+                pve_bool(current.get("unprivileged", 0)) == "1",
+            )
             if self.module.check_mode and running:
                 # What will wait for the next start once the change is made: pending changes already
                 # on the CT count too, because the real run restarts for them as well.

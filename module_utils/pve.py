@@ -36,6 +36,11 @@ MAX_DEVICES = 256
 VMID_MIN, VMID_MAX = 100, 999_999_999
 ROOT_IDENTITY = "root@pam"
 DEVICE_RULE = "configuring device passthrough is only allowed for root@pam"
+# The other changes pve-container reserves to root@pam itself (PVE::LXC::check_ct_modify_config_perm).
+PRIVILEGED_FEATURES_RULE = "changing feature flags for privileged container is only allowed for root@pam"
+FEATURES_RULE = "changing feature flags (except nesting) is only allowed for root@pam"
+HOOKSCRIPT_RULE = "changing the hookscript is only allowed for root@pam"
+ROOT_RULES = (DEVICE_RULE, PRIVILEGED_FEATURES_RULE, FEATURES_RULE, HOOKSCRIPT_RULE)
 
 AUTH_ARGUMENT_SPEC = dict(
     api_host=dict(type="str", fallback=(env_fallback, ["PROXMOX_HOST"])),
@@ -44,6 +49,7 @@ AUTH_ARGUMENT_SPEC = dict(
     api_password=dict(type="str", no_log=True, fallback=(env_fallback, ["PROXMOX_PASSWORD"])),
     api_token_id=dict(type="str", no_log=False, fallback=(env_fallback, ["PROXMOX_TOKEN_ID"])),
     api_token_secret=dict(type="str", no_log=True, fallback=(env_fallback, ["PROXMOX_TOKEN_SECRET"])),
+    api_otp=dict(type="str", no_log=True),
     validate_certs=dict(type="bool", default=True, fallback=(env_fallback, ["PROXMOX_VALIDATE_CERTS"])),
     ca_path=dict(type="path", fallback=(env_fallback, ["PROXMOX_CA_PATH"])),
     timeout=dict(type="int", default=DEFAULT_TIMEOUT, fallback=(env_fallback, ["PROXMOX_TIMEOUT"])),
@@ -123,14 +129,103 @@ def may_set_devices(identity):
     return identity == ROOT_IDENTITY
 
 
+WAYS_OUT = (
+    "Use a root@pam password ticket (api_user=root@pam + api_password, and api_otp if the account has TOTP) "
+    "or the node-local backend (api_backend=local, delegated to the PVE node, which runs pvesh as root)."
+)
+
+
 def device_rule_message(identity, keys):
     """The failure for an identity that may not touch devN, with the two ways out."""
     return (
         "{} may not change {}: PVE only lets root@pam itself configure device passthrough ({!r}; "
-        "API tokens, even root@pam!..., are refused). Use a root@pam password ticket "
-        "(api_user=root@pam + api_password) or the node-local backend (api_backend=local, "
-        "delegated to the PVE node, which runs pvesh as root)."
-    ).format(identity, ", ".join(keys), DEVICE_RULE)
+        "API tokens, even root@pam!..., are refused). {}"
+    ).format(identity, ", ".join(keys), DEVICE_RULE, WAYS_OUT)
+
+
+def root_rule_message(identity, refused):
+    """The failure for changes only root@pam may make: {rule: [keys]} in PVE's own words, and the ways out."""
+    parts = "; ".join("{} ({!r})".format(", ".join(keys), rule) for rule, keys in refused.items())
+    return (
+        f"{identity} may not change {parts}: PVE only lets root@pam itself make these changes (API tokens, "
+        f"even root@pam!..., are refused). {WAYS_OUT}"
+    )
+
+
+def feature_flags(value):
+    """A features value as {flag: '1'/'0'}.
+
+    >>> feature_flags('nesting=1,keyctl=1'), feature_flags(None)
+    ({'nesting': '1', 'keyctl': '1'}, {})
+    """
+    return {k: pve_bool(v) for k, v in split_props(value or "")[1].items()}
+
+
+def rights_needed(vmid, current, updates, deletes, unprivileged, create=False):
+    """What PVE asks of an identity other than root@pam for this change (pve-container
+    check_ct_modify_config_perm, and the create call's own checks).
+
+    Returns (root_only, privileges): root_only is {rule: [keys]} for changes only root@pam may make;
+    privileges is {(path, privilege): [keys]} for the ones a role can grant.
+
+    >>> rights_needed(129, {'features': 'nesting=1'}, {'features': 'nesting=1,keyctl=1', 'dev0': '/dev/a'}, [], True)
+    ({'configuring device passthrough is only allowed for root@pam': ['dev0'], 'changing feature flags (except nesting) is only allowed for root@pam': ['features']}, {})
+    >>> rights_needed(129, {}, {'features': 'nesting=1', 'memory': '4096'}, [], True)
+    ({}, {('/vms/129', 'VM.Allocate'): ['features'], ('/vms/129', 'VM.Config.Memory'): ['memory']})
+    >>> rights_needed(129, {'features': 'nesting=1'}, {'features': 'nesting=0'}, [], False)[0]
+    {'changing feature flags for privileged container is only allowed for root@pam': ['features']}
+    """
+    vm = f"/vms/{vmid}"
+    root_only, privileges = {}, {}
+
+    def need(path, privilege, key):
+        privileges.setdefault((path, privilege), []).append(key)
+
+    if create:
+        need(vm, "VM.Allocate", "vmid")
+        if not unprivileged:
+            need("/", "Sys.Modify", "unprivileged")
+    for key in sorted(updates) + sorted(deletes):
+        deleting = key in deletes
+        if re.fullmatch(r"dev\d+", key):
+            root_only.setdefault(DEVICE_RULE, []).append(key)
+        elif key == "features":
+            if not unprivileged:
+                root_only.setdefault(PRIVILEGED_FEATURES_RULE, []).append(key)
+                continue
+            before = feature_flags(current.get("features"))
+            after = {} if deleting else feature_flags(updates.get("features"))
+            changed = {f for f in set(before) | set(after) if before.get(f) != after.get(f)}
+            if changed - {"nesting"}:
+                root_only.setdefault(FEATURES_RULE, []).append(key)
+            elif changed:
+                need(vm, "VM.Allocate", key)
+        elif key == "hookscript":
+            root_only.setdefault(HOOKSCRIPT_RULE, []).append(key)
+        elif key in ("cores", "cpuunits", "cpulimit"):
+            need(vm, "VM.Config.CPU", key)
+        elif key in ("memory", "swap"):
+            need(vm, "VM.Config.Memory", key)
+        elif key in ("rootfs",) or re.fullmatch(r"mp\d+", key):
+            need(vm, "VM.Config.Disk", key)
+        elif re.fullmatch(r"net\d+", key) or key in ("hostname", "nameserver", "searchdomain"):
+            need(vm, "VM.Config.Network", key)
+        elif key != "tags":  # tags have their own rules (tag-style privileges); PVE decides
+            need(vm, "VM.Config.Options", key)
+    return root_only, privileges
+
+
+def rights_message(identity, missing, pool=None):
+    """The failure for privileges an identity lacks: {(path, privilege): [keys]}."""
+    parts = "; ".join(
+        "{} on {} (to change {})".format(privilege, path, ", ".join(keys))
+        for (path, privilege), keys in missing.items()
+    )
+    where = f" (nor on its pool /pool/{pool})" if pool else ""
+    return (
+        f"{identity} lacks {parts}{where}: grant it a role with these privileges (pveum acl modify PATH --roles ROLE "
+        "--users/--tokens ...), or run as root@pam"
+    )
 
 
 # ---------------------------------------------------------------- session
@@ -170,14 +265,25 @@ def connect(params):
             verify = params.get("ca_path") or bool(params.get("validate_certs", True))
             kwargs = dict(port=params.get("api_port") or DEFAULT_PORT, verify_ssl=verify, timeout=timeout)
             if mode == "password":
-                kwargs.update(user=params.get("api_user") or ROOT_IDENTITY, password=params["api_password"])
+                user = params.get("api_user") or ROOT_IDENTITY
+                if not params.get("api_otp"):
+                    # Ask PVE first whether the account has a second factor: proxmoxer would answer its
+                    # challenge with an empty code, a failed attempt that counts towards PVE's TOTP lockout.
+                    first_factor(requests, where, user, params["api_password"], verify, timeout)
+                kwargs.update(user=user, password=params["api_password"], otp=params.get("api_otp"))
             else:
                 full = token_identity(params.get("api_user"), params["api_token_id"])
                 user, _, name = full.partition("!")
                 kwargs.update(user=user, token_name=name, token_value=params["api_token_secret"])
             api = ProxmoxAPI(params["api_host"], **kwargs)
         version = api.version.get()
-    except AuthenticationError:
+    except AuthenticationError as exc:
+        if mode == "password" and params.get("api_otp") and "TFA" in str(exc):
+            raise PveError(
+                "authentication at {} for {}: the password was accepted but the TOTP code (api_otp) was refused: "
+                "it is wrong or expired (a code is valid for 30 s; PVE locks TOTP after repeated "
+                "failures)".format(where, params.get("api_user") or ROOT_IDENTITY)
+            ) from None
         raise PveError(
             "authentication failed at {} for {}: wrong user or password (the realm is part of the "
             "user: root@pam)".format(where, params.get("api_user"))
@@ -202,6 +308,75 @@ def connect(params):
     except (OSError, ValueError) as exc:  # the local backend: pvesh missing or not JSON
         raise PveError(f"cannot use {where}: {exc}") from None
     return api, str((version or {}).get("version", ""))
+
+
+def first_factor(requests, where, user, password, verify, timeout):
+    """Log in with the password only (POST /access/ticket); PveError when PVE asks for a second factor.
+
+    Wrong credentials raise PveError too; otherwise returns None and proxmoxer logs in again for its session.
+    """
+    answer = requests.post(
+        f"{api_base(where)}/access/ticket",
+        data={"username": user, "password": password},
+        verify=verify,
+        timeout=timeout,
+    )
+    if answer.status_code == 401:
+        raise PveError(
+            f"authentication failed at {where} for {user}: wrong user or password (the realm is part of the "
+            "user: root@pam)"
+        )
+    if answer.status_code != 200:
+        raise PveError(f"POST /access/ticket at {where} failed: {answer.status_code} {answer.reason}")
+    data = (answer.json() or {}).get("data") or {}
+    if not data.get("NeedTFA"):
+        return
+    kinds = tfa_kinds(data.get("ticket", ""))
+    if kinds and "totp" not in kinds:
+        raise PveError(
+            "{} has two-factor authentication with {}, which this module cannot answer: use an API token "
+            "(api_token_id + api_token_secret) or api_backend=local".format(user, ", ".join(sorted(kinds)))
+        )
+    raise PveError(
+        f"this account needs a TOTP code: {user} has two-factor authentication on at {where}. Give the current "
+        "code as api_otp (for example -e pve_api_otp=123456; a code is valid for 30 s), or use an API token "
+        "(api_token_id + api_token_secret) or api_backend=local"
+    )
+
+
+def api_base(where):
+    """The API root of an https://host:port address (IPv6 hosts in brackets).
+
+    >>> api_base('https://pve1:8006'), api_base('https://fd00::1:8006')
+    ('https://pve1:8006/api2/json', 'https://[fd00::1]:8006/api2/json')
+    """
+    host, _, port = where[len("https://") :].rpartition(":")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"https://{host}:{port}/api2/json"
+
+
+def tfa_kinds(ticket):
+    """The second factors a TFA challenge ticket offers (PVE 7+: '...!tfa!<url-encoded JSON>'); set() if unknown.
+
+    >>> sorted(tfa_kinds('PVE:root@pam:65F0::!tfa!%7B%22totp%22%3Atrue%2C%22recovery%22%3A%22available%22%7D'))
+    ['recovery', 'totp']
+    >>> tfa_kinds('PVE:!tfa!abc')
+    set()
+    """
+    import json
+    from urllib.parse import unquote
+
+    _, marker, challenge = str(ticket).partition("!tfa!")
+    if not marker:
+        return set()
+    try:
+        offered = json.loads(unquote(challenge))
+    except ValueError:
+        return set()
+    if not isinstance(offered, dict):
+        return set()
+    return {kind for kind, value in offered.items() if value}
 
 
 def bound_local_backend(api, timeout, task_timeout):

@@ -7,10 +7,13 @@ search path so the same import works under plain pytest.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import json
 import pathlib
 import sys
+import threading
 
 import ansible.module_utils
 import pytest
@@ -80,3 +83,72 @@ def ct_spec(**extra):
 def seed_template(pve):
     """Put the OS template on storage 'local', as `pveam download local ...` would."""
     pve.store_file("local", TEMPLATE_FILE, 129 * 1024**2, content="vztmpl")
+
+
+# ------------------------------------------------------------------ TOTP: fakepve answers NeedTFA, not the code
+
+
+def totp_pve_class():
+    """A FakePve whose root@pam has TOTP on: fakepve's own `tfa` switch answers the password with NeedTFA and a
+    challenge ticket; this subclass also answers the second step (POST /access/ticket with tfa-challenge and
+    password 'totp:<code>') as PVE does: a full ticket for the right code, 401 otherwise."""
+    import secrets
+
+    from fakepve import FakePve
+    from fakepve.server import params
+
+    class TotpPve(FakePve):
+        code = "123456"
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.tfa = True
+            self.challenges = set()
+            self.second_factor_attempts = []
+
+        async def _ticket(self, request):
+            form = await params(request)
+            challenge = form.get("tfa-challenge")
+            if challenge is None:
+                response = await super()._ticket(request)
+                if self.tfa and response.status == 200:
+                    body = json.loads(response.text)
+                    body["data"]["ticket"] = (
+                        "PVE:root@pam:65F00000::!tfa!%7B%22totp%22%3Atrue%7D" + secrets.token_hex(4)
+                    )
+                    self.challenges.add(body["data"]["ticket"])
+                    response.text = json.dumps(body)
+                return response
+            from aiohttp import web
+
+            self.second_factor_attempts.append(form.get("password"))
+            if challenge in self.challenges and form.get("password") == f"totp:{self.code}":
+                self.challenges.discard(challenge)
+                ticket, csrf = self.issue_ticket(str(form.get("username")))
+                return web.json_response({"data": {"ticket": ticket, "CSRFPreventionToken": csrf}})
+            return web.json_response({"data": None, "message": "authentication failure\n"}, status=401)
+
+    return TotpPve
+
+
+@contextlib.contextmanager
+def serve(pve, certdir):
+    """Serve a FakePve (or subclass) on 127.0.0.1 with a fresh self-signed certificate; yields the CA file."""
+    from fakepve import settle
+    from fakepve.certs import make_cert
+
+    certfile, keyfile, _ = make_cert(str(certdir), hosts=("127.0.0.1",))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fakepve-totp", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(pve.start(certfile, keyfile), loop).result(30)
+        yield certfile
+    finally:
+        try:
+            asyncio.run_coroutine_threadsafe(settle(), loop).result(30)
+            asyncio.run_coroutine_threadsafe(pve.stop(), loop).result(30)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(30)
+            loop.close()

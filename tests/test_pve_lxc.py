@@ -20,6 +20,8 @@ from pve_fixtures import (
     load_file_module,
     run_module,
     seed_template,
+    serve,
+    totp_pve_class,
 )
 
 pve_lxc = load_file_module("pve_lxc", ROOT / "library" / "pve_lxc.py")
@@ -269,6 +271,109 @@ def test_the_api_itself_refuses_devices_to_a_token_with_permissions_on(running_c
     )
     with pytest.raises(ResourceException, match="device passthrough is only allowed for root@pam"):
         api.nodes("pve1").lxc(129).config.put(dev9="/dev/nvidia-caps/nvidia-cap1")
+
+
+def token_auth(pve, cafile, token="root@pam!ansible", secret="s3"):
+    pve.apitokens[token] = secret
+    return dict(
+        api_host=pve.host, api_port=pve.port, api_token_id=token, api_token_secret=secret, ca_path=cafile
+    )
+
+
+def test_token_may_not_change_feature_flags_other_than_nesting_not_even_in_check_mode(
+    running_ct, pve, fakepve_cafile, capsys
+):
+    auth = token_auth(pve, fakepve_cafile)
+    pve.grant("audit@pve", "/", "VM.Audit")  # permissions on: PVE now checks every privilege
+    before = len(writes(pve))
+    for check_mode in (True, False):
+        result = run(
+            pve,
+            fakepve_cafile,
+            capsys,
+            check_mode=check_mode,
+            auth=auth,
+            features={"nesting": True, "keyctl": True},
+        )
+        msg = result.get("msg", "")
+        assert result.get("failed"), (check_mode, result)
+        assert "root@pam!ansible may not change features" in msg, msg
+        assert "changing feature flags (except nesting) is only allowed for root@pam" in msg
+        assert "api_password" in msg and "api_backend=local" in msg
+    assert len(writes(pve)) == before, "the refusal must come before any request that changes something"
+
+
+def test_token_may_not_change_feature_flags_of_a_privileged_ct(pve, fakepve_cafile, capsys):
+    pve.add_ct(
+        129, "train129", node="pve1", status="stopped", config={"unprivileged": 0, "dev0": "/dev/nvidia0"}
+    )
+    auth = token_auth(pve, fakepve_cafile)
+    pve.grant("audit@pve", "/", "VM.Audit")
+    result = run(pve, fakepve_cafile, capsys, check_mode=True, auth=auth, devices=None, unprivileged=None)
+    assert (
+        result.get("failed") and "for privileged container is only allowed for root@pam" in result["msg"]
+    ), result
+
+
+def test_nesting_needs_vm_allocate_and_the_message_names_it(running_ct, pve, fakepve_cafile, capsys):
+    running_ct.config["features"] = "keyctl=0,nesting=0"
+    pve.users["ops@pve"] = "pw"
+    auth = token_auth(pve, fakepve_cafile, token="ops@pve!ci")
+    for who in ("ops@pve", "ops@pve!ci"):
+        pve.grant(
+            who,
+            "/vms/129",
+            "VM.Audit",
+            "VM.Config.Options",
+            "VM.Config.Memory",
+            "VM.Config.CPU",
+            "VM.Config.Network",
+            "VM.PowerMgmt",
+        )
+    spec = dict(state="started", devices=None, features={"nesting": True, "keyctl": False})
+    before = len(writes(pve))
+    result = run(pve, fakepve_cafile, capsys, check_mode=True, auth=auth, **spec)
+    assert result.get("failed"), result
+    assert "ops@pve!ci lacks VM.Allocate on /vms/129 (to change features)" in result["msg"], result["msg"]
+    for who in ("ops@pve", "ops@pve!ci"):
+        pve.grant(who, "/vms/129", "VM.Allocate")
+    done = run(pve, fakepve_cafile, capsys, auth=auth, **spec)
+    assert done["changed"] and not done.get("failed"), done
+    assert running_ct.config["features"] == "keyctl=0,nesting=1" and len(writes(pve)) > before
+
+
+# ----------------------------------------------------------------- two-factor authentication (TOTP)
+
+
+@pytest.fixture
+def totp_pve(tmp_path):
+    pve = totp_pve_class()(user="root@pam", password="secret", host="127.0.0.1", port=0)
+    with serve(pve, tmp_path) as cafile:
+        seed_template(pve)
+        pve.cafile = cafile
+        yield pve
+
+
+def test_an_account_with_totp_and_no_code_is_told_so_without_spending_an_attempt(totp_pve, capsys):
+    result = run(totp_pve, totp_pve.cafile, capsys, state="started")
+    assert result["failed"] and "this account needs a TOTP code" in result["msg"], result
+    assert "api_otp" in result["msg"] and "secret" not in result["msg"]
+    assert totp_pve.second_factor_attempts == [], "a guessed (empty) code counts towards PVE's TOTP lockout"
+    assert totp_pve.ct(129) is None
+
+
+def test_api_otp_completes_the_login(totp_pve, capsys):
+    auth = api_args(totp_pve, totp_pve.cafile, api_otp="123456")
+    result = run(totp_pve, totp_pve.cafile, capsys, auth=auth, state="started")
+    assert result["created"] and not result.get("failed"), result
+    assert totp_pve.ct(129).status == "running" and "123456" not in str(result)
+
+
+def test_a_wrong_totp_code_is_named_as_such(totp_pve, capsys):
+    auth = api_args(totp_pve, totp_pve.cafile, api_otp="000000")
+    result = run(totp_pve, totp_pve.cafile, capsys, auth=auth, state="started")
+    assert result["failed"] and "TOTP code (api_otp) was refused" in result["msg"], result
+    assert "000000" not in str(result)
 
 
 # ----------------------------------------------------------------- concurrency, locks, failing tasks
