@@ -152,3 +152,22 @@ def serve(pve, certdir):
             loop.call_soon_threadsafe(loop.stop)
             thread.join(30)
             loop.close()
+
+
+def node_clock_pve_class():
+    """A FakePve whose GET /nodes/{node}/time reads the fake node's clock (fakepve answers a fixed schema sample),
+    node_clock_ahead seconds ahead of this machine's: tasks it started look that much older to the node."""
+    import time
+
+    from fakepve import FakePve
+
+    class NodeClockPve(FakePve):
+        node_clock_ahead = 0
+
+        async def synthesise(self, match, method, info, user, values):
+            if method == "GET" and match.template == "/nodes/{node}/time":
+                now = int(time.time() + self.node_clock_ahead)
+                return {"time": now, "localtime": now, "timezone": "UTC"}
+            return await super().synthesise(match, method, info, user, values)
+
+    return NodeClockPve

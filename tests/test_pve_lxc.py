@@ -18,6 +18,7 @@ from pve_fixtures import (
     api_args,
     ct_spec,
     load_file_module,
+    node_clock_pve_class,
     run_module,
     seed_template,
     serve,
@@ -456,6 +457,42 @@ def test_slow_start_task_times_out_with_its_upid(pve, fakepve_cafile, capsys):
     )
     assert result["failed"] and "still running after 1s" in result["msg"] and "vzstart" in result["msg"]
     assert time.monotonic() - began < 30  # gave up after task_timeout=1, never waited the 60 s
+
+
+def test_task_polls_that_fail_on_the_way_are_retried(pve, fakepve_cafile, capsys):
+    pve.add_ct(129, "train129", node="pve1", status="stopped")
+    pve.fail("GET", "/status", 502, "Bad Gateway (proxy: connection reset)", times=2)
+    result = run(pve, fakepve_cafile, capsys, state="started", devices=None, features=None, onboot=None)
+    assert result["changed"] and not result.get("failed"), result
+    assert pve.ct(129).status == "running"
+
+
+def test_a_task_poll_pve_refuses_is_the_modules_own_error(pve, fakepve_cafile, capsys):
+    pve.add_ct(129, "train129", node="pve1", status="stopped")
+    pve.fail("GET", "/status", 403, "Permission check failed (/nodes/pve1, Sys.Audit)")
+    result = run(pve, fakepve_cafile, capsys, state="started", devices=None, features=None, onboot=None)
+    assert result["failed"] and "exception" not in result, result
+    msg = result["msg"]
+    assert msg.startswith("start CT 129: polling task UPID:pve1:") and "403 Permission check failed" in msg, (
+        msg
+    )
+    assert "may still be running on the node" in msg
+
+
+def test_a_stalled_tasks_age_is_read_on_the_nodes_clock(tmp_path, capsys):
+    pve = node_clock_pve_class()(user="root@pam", password="secret", host="127.0.0.1", port=0)
+    pve.time_scale = 0.02
+    with serve(pve, tmp_path) as cafile:
+        pve.add_ct(129, "train129", node="pve1", status="stopped")
+        pve.ct(129).start_secs = 3000  # 60 s of wall time at this time scale
+        pve.node_clock_ahead = 500  # by the node's clock the task is 500 s older than by ours
+        result = run(
+            pve, cafile, capsys, state="started", devices=None, features=None, onboot=None, task_timeout=1
+        )
+    msg = result["msg"]
+    assert result["failed"] and "still running after 1s" in msg, msg
+    age = int(msg.split(" s since it started by the node's clock")[0].rsplit(" ", 1)[-1])
+    assert 500 <= age < 560, msg
 
 
 # ----------------------------------------------------------------- bad input: clear failure, nothing changed
