@@ -76,9 +76,20 @@ options:
     description: A GPU counts as released when its used memory is at most this many MiB.
     type: int
     default: 1024
-notes:
-  - Supports check mode, which lists the targets and the files it would remove and touches nothing.
-  - Linux only; reads /proc itself (psmisc and psutil are not needed).
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details:
+      - Lists the unit's state, the targets and the files it would remove, and touches nothing; C(changed) says
+        whether a real run would stop, signal or remove anything. GPU memory is read once and reported as
+        C(unverified).
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: Linux only; reads /proc itself (psmisc and psutil are not needed).
 """
 
 EXAMPLES = r"""
@@ -96,25 +107,34 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+msg:
+  description: One line saying what happened (or, in check mode, what would), counts first; on failure the reason
+    comes first, then this summary.
+  returned: always
+  type: str
+  sample: "unit eagle3-train.service: stopped; 3 target(s): 3 terminated, 0 killed, 0 survived; 2 file(s) swept;
+    verification: devices free, GPU memory ok, GPU memory 40754 -> 3 MiB; 31.20 s"
 targets:
-  description: Processes selected, with why (C(unit:), C(marker:), C(device:), C(cmdline:), C(descendant-of:)).
+  description:
+    - Processes selected (in check mode, those that would be), with why (C(unit:), C(marker:), C(device:),
+      C(cmdline:), C(descendant-of:)) and their start time (clock ticks since boot, the identity used with the pid).
   returned: always
   type: list
   elements: dict
   sample: [{"pid": 4242, "ppid": 1, "name": "pt_data_worker", "cmdline": "python3 -m eagle3 train",
             "reasons": ["marker:EAGLE3_JOB=eagle3-train", "device:/dev/nvidia0"], "start_time": 981234}]
 protected:
-  description: Processes that matched a selector but are never signalled, with the reason.
+  description: Processes that matched a selector but are never signalled ({pid, name, reasons, why}).
   returned: always
   type: list
   elements: dict
 terminated:
-  description: PIDs that exited after SIGTERM.
+  description: PIDs that exited after SIGTERM ([] in check mode).
   returned: always
   type: list
   elements: int
 killed:
-  description: PIDs that needed SIGKILL.
+  description: PIDs that needed SIGKILL ([] in check mode).
   returned: always
   type: list
   elements: int
@@ -128,17 +148,21 @@ zombies:
   returned: always
   type: list
   elements: dict
+rounds:
+  description: Rounds of signalling and re-scanning for respawned or late-forked processes (0 when nothing was signalled).
+  returned: always
+  type: int
 holders_after:
   description:
-    - Unprotected processes still holding a matching device at the end ({pid, name, user, paths, cmdline}); []
-      on success.
+    - Unprotected processes still holding a matching device at the end ({pid, name, user, paths, cmdline,
+      protected}); [] on success, and in check mode (not looked at).
   returned: always
   type: list
   elements: dict
 protected_holders_after:
   description:
-    - Protected processes (C(protect)) that still hold a matching device at the end, as in C(holders_after).
-      They were never signalled and do not fail the task, but the device is not free.
+    - Protected processes (O(protect)) that still hold a matching device at the end, as in RV(holders_after).
+      They were never signalled and do not fail the task, but the device is not free. [] in check mode.
   returned: always
   type: list
   elements: dict
@@ -148,22 +172,75 @@ removed:
   type: list
   elements: str
 sweep_in_use:
-  description: Paths matching I(sweep) that were kept because a live process references them.
+  description: Paths matching O(sweep) that were kept because a live process references them.
+  returned: always
+  type: list
+  elements: str
+sweep_errors:
+  description: Swept paths that could not be removed, each with the error.
   returned: always
   type: list
   elements: str
 unit:
-  description:
-    - The unit step ({name, state, stopped, message, escalation}); state C(no-systemd) or C(not-found) when skipped.
-    - C(escalation) is the job launcher's O(stop_report) when this stop had to SIGKILL workers, else null.
+  description: The unit step.
   returned: always
   type: dict
+  contains:
+    name:
+      description: O(unit), null without one.
+      returned: always
+      type: str
+    state:
+      description:
+        - The unit's ActiveState before the stop; C(none) without O(unit); C(no-systemd) or C(not-found) when the
+          step was skipped.
+      returned: always
+      type: str
+    stopped:
+      description: C(systemctl stop) ran and finished (always false in check mode).
+      returned: always
+      type: bool
+    message:
+      description: What the step did, or why it did nothing.
+      returned: always
+      type: str
+    escalation:
+      description:
+        - The job launcher's O(stop_report) when this stop had to SIGKILL workers ({message, time, killed,
+          steps_lost}), else null.
+      returned: when O(unit) is given, except in check mode
+      type: dict
 gpu_memory:
-  description:
-    - Used memory per GPU before and after ([{index, used_mib}], null when not measurable), the tolerance,
-      the source, and C(status) ok, failed or unverified with a message.
+  description: GPU memory before and after, and whether the GPUs count as released.
   returned: always
   type: dict
+  contains:
+    before:
+      description: Used memory per GPU before the run ([{index, used_mib}]), null when not measurable.
+      returned: always
+      type: list
+      elements: dict
+    after:
+      description: Used memory per GPU at the end, as RV(gpu_memory.before); null in check mode.
+      returned: always
+      type: list
+      elements: dict
+    tolerance_mib:
+      description: O(gpu_memory_tolerance_mib).
+      returned: always
+      type: int
+    source:
+      description: C(nvml), C(nvidia-smi), or null without either.
+      returned: always
+      type: str
+    status:
+      description: C(ok), C(failed) (the task fails) or C(unverified) (no tool, no answer, or check mode).
+      returned: always
+      type: str
+    message:
+      description: Why, in words.
+      returned: always
+      type: str
 elapsed:
   description: Seconds the run took.
   returned: always

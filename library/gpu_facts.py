@@ -24,8 +24,17 @@ options:
     description: Fail when NVML or nvidia-smi exists but gives no answer (driver/library mismatch, hang).
     type: bool
     default: false
-notes:
-  - Supports check mode (it changes nothing).
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: It only reads, the same in check mode.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: Linux with an NVIDIA driver, or without one (then C(gpus=[])).
 """
 
 EXAMPLES = r"""
@@ -40,13 +49,18 @@ EXAMPLES = r"""
 
 RETURN = r"""
 ansible_facts:
-  description: Facts about the GPUs.
+  description: Facts about the GPUs (also returned when O(fail_on_error) fails the task).
   returned: always
   type: dict
   contains:
     gpus:
       description:
-        - One entry per GPU; C(memory_*) in MiB, power in W, utilisation in %, C(null) when not supported.
+        - One entry per GPU, C({index, name, uuid, memory_total_mib, memory_used_mib, utilization_pct,
+          power_draw_w, power_limit_w, starved}); C(memory_*) in MiB, power in W, utilisation in %, C(null) when
+          not supported.
+        - C(starved) is true when the utilisation is high while the power draw is far below the limit.
+        - Empty without NVIDIA GPUs or driver, or when neither NVML nor nvidia-smi answered.
+      returned: always
       type: list
       elements: dict
       sample: [{"index": 0, "name": "NVIDIA RTX PRO 6000 Blackwell", "uuid": "GPU-1a2b", "memory_total_mib": 97887,
@@ -54,10 +68,22 @@ ansible_facts:
                 "starved": true}]
     nvidia_driver_version:
       description: Userspace driver version, null without a driver.
+      returned: always
       type: str
+      sample: "580.76.05"
     gpu_query:
-      description: How the facts were read ({source, error}); source is nvml, nvidia-smi or null.
+      description: How the facts were read.
+      returned: always
       type: dict
+      contains:
+        source:
+          description: C(nvml), C(nvidia-smi), or null when neither is available.
+          returned: always
+          type: str
+        error:
+          description: Why the GPUs could not be read (a hang, a driver/library mismatch), null when they were.
+          returned: always
+          type: str
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -43,6 +43,19 @@ options:
     description: Seconds a clean shutdown may take before the container is killed.
     type: int
     default: 30
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details:
+      - Reports whether a start, restart, stop or removal would happen and does none of them. A running container
+        is still asked whether systemd finished booting; removal leftovers are not looked for.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: Linux with the LXC tools (C(lxc-start), C(lxc-stop), C(lxc-attach), C(lxc-info)), as root.
 """
 
 EXAMPLES = r"""
@@ -60,22 +73,30 @@ EXAMPLES = r"""
 
 RETURN = r"""
 state:
-  description: State of the container afterwards (C(RUNNING), C(STOPPED) or C(ABSENT)).
+  description:
+    - State of the container afterwards (C(RUNNING), C(STOPPED) or C(ABSENT)).
+    - In check mode, C(STOPPED) and C(ABSENT) are the states a real run would leave; a start or restart that would
+      happen returns the state before it.
   type: str
   returned: always
+  sample: RUNNING
 system_state:
-  description: What C(systemctl is-system-running) said inside the container once booted.
+  description: What C(systemctl is-system-running) said inside the container once booted (C(running) or C(degraded)).
   type: str
-  returned: when state is started
+  returned: when O(state=started), except in check mode when a start or restart would happen
+  sample: running
 init_pid:
   description: Host PID of the container's init.
   type: int
-  returned: when state is started
+  returned: when O(state=started), except in check mode when a start or restart would happen
 leftovers:
-  description: Processes, cgroup directories and mounts of the container found after removal (empty on success).
+  description:
+    - Processes, cgroup directories and mounts of the container found after removal (empty on success; the task
+      fails when it is not). Not looked for in check mode ([]).
   type: list
   elements: str
-  returned: when state is absent
+  returned: when O(state=absent)
+  sample: ["/sys/fs/cgroup/lxc.payload.129", "process 4242 with root /var/lib/eagle3-pve/lxc/129/rootfs"]
 """
 
 import glob

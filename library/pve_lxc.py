@@ -143,9 +143,27 @@ options:
     type: str
     choices: [https, local]
     default: https
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details:
+      - Reads the cluster and the container and reports the change, the power state and the pending keys a real
+        run would leave. Whether a change needs a restart is predicted (PVE 9 hot-adds new devices; edits and
+        removals, and devices on PVE 8, need a restart). RV(config) is not returned.
+  diff_mode:
+    support: partial
+    details:
+      - The config keys that change, as lines of C(/etc/pve/lxc/<vmid>.conf) (the whole config when the container
+        is created or removed). Power changes (start, stop, restart) are not in the diff; RV(status) and
+        RV(restarted) report them.
+  platform:
+    platforms: posix
+    details:
+      - The controller (delegated to localhost) with the https backend, or a Proxmox VE node as root with
+        O(api_backend=local).
 notes:
-  - Supports check mode and diff mode. In check mode whether a change needs a restart is predicted
-    (PVE 9 hot-adds new devices; edits and removals, and devices on PVE 8, need a restart).
   - A container with a config lock (backup, snapshot, migrate, ...) fails before any change.
 seealso:
   - module: pve_lxc_raw
@@ -199,7 +217,7 @@ node:
   type: str
   sample: pve1
 status:
-  description: Power state after the run (C(running), C(stopped), or C(absent)); in check mode the state the run would leave.
+  description: Power state after the run (C(running), C(stopped), or C(absent)); in check mode the state a real run would leave.
   returned: always
   type: str
   sample: running
@@ -221,7 +239,7 @@ deleted:
   sample: [dev5]
 devices:
   description: The devN entries wanted, by key.
-  returned: when devices is given
+  returned: when O(devices) is given and O(state) is not C(absent)
   type: dict
   sample: {dev0: /dev/nvidia0, dev1: /dev/nvidiactl}
 restart_required:
@@ -239,7 +257,7 @@ pending:
   elements: str
 config:
   description: The container config after the run as GET config returns it (digest left out).
-  returned: when the container exists
+  returned: when O(state) is not C(absent), except in check mode
   type: dict
 tasks:
   description: UPIDs of the PVE tasks the run started, in order.

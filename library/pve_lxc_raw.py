@@ -51,9 +51,18 @@ options:
     description: Directory of PVE's container config locks (C(pve-config-<vmid>.lock)).
     type: path
     default: /run/lock/lxc
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: full
+    details: The whole config file before and after.
+  platform:
+    platforms: posix
+    details: A Proxmox VE node that holds the container, as root; standard library only.
 notes:
-  - Supports check mode and diff mode.
-  - Runs on the PVE node, as root; standard library only.
   - C(lxc.cgroup.*) keys (cgroup v1) are ignored by PVE 9; the module warns and suggests C(lxc.cgroup2.*).
 seealso:
   - module: pve_lxc
@@ -84,7 +93,7 @@ path:
   type: str
   sample: /etc/pve/lxc/129.conf
 raw_lines:
-  description: 'The raw lines of the current config after the run, as C(key: value).'
+  description: 'The raw lines of the current config after the run (in check mode, after a real run), as C(key: value).'
   returned: always
   type: list
   elements: str

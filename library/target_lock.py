@@ -88,8 +88,20 @@ options:
     description: With false, a lock still held by another run after O(wait) returns C(busy=true) instead of failing.
     type: bool
     default: true
-notes:
-  - Supports check mode (reports only).
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: partial
+    details:
+      - Nothing is taken, renewed, released or created, and nobody is waited for. O(state=acquired) reports who
+        holds the lock and, in RV(outcome) and RV(msg), what a real run would do; C(changed) stays false even
+        when a real run would take the lock.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: Any POSIX target with C(flock) (Linux in this project).
 """
 
 EXAMPLES = r"""
@@ -117,42 +129,56 @@ RETURN = r"""
 acquired:
   description: The lock is this owner's now (always false in check mode).
   type: bool
-  returned: state is acquired
+  returned: when O(state=acquired)
 outcome:
   description:
     - C(taken) (it was free), C(held) (already ours, renewed), C(stale) (taken over, its lease ran out),
       C(broken) (taken from O(break_owner)) or C(busy) (another run holds it).
     - In check mode, what a real run would do now.
   type: str
-  returned: state is acquired
+  returned: when O(state=acquired)
 busy:
-  description: Another run holds the lock (check mode, or O(fail_on_busy=false)).
+  description: Another run holds the lock (in check mode, or with O(fail_on_busy=false); otherwise the task fails).
   type: bool
-  returned: state is acquired
+  returned: when O(state=acquired)
 expired:
   description: The other holder's lease ran out (not renewed within its ttl).
   type: bool
-  returned: state is acquired
+  returned: when O(state=acquired)
+held:
+  description: A lock record exists (someone holds the lock).
+  type: bool
+  returned: when O(state=query)
 holder:
-  description: The other holder's record (busy, taken over or broken), or the record seen on release or query.
+  description:
+    - The other holder's record (busy, taken over or broken), or the record seen on release (when it was not this
+      owner's, or in check mode) or query.
+    - Keys C(version), C(owner), C(playbook), C(purpose), C(since), C(renewed) (seconds since the epoch),
+      C(ttl), and the O(controller) keys (C(user), C(host), C(pid), ...) at the top level.
   type: dict
   returned: when there was one
 described:
   description: The holder in one line (user@host, pid, playbook, purpose, since, last renewal, lease).
   type: str
-  returned: when there was a holder
+  returned: when RV(holder) is returned
 lock:
-  description: This owner's record once held or renewed.
+  description: This owner's record once taken or renewed, with the same keys as RV(holder).
   type: dict
-  returned: when held
+  returned: when O(state=acquired) took or kept the lock, or O(state=renewed); not in check mode
 overdue:
-  description: Seconds past the lease's end at which it was renewed (0 when in time).
+  description: Seconds past the lease's end at which it was renewed (0 when in time, and in check mode).
   type: float
-  returned: state is renewed
+  returned: when O(state=renewed)
 waited:
   description: Seconds spent waiting for another holder.
   type: float
   returned: always
+msg:
+  description:
+    - In check mode with O(state=acquired) or O(state=renewed), what a real run would do; with
+      O(fail_on_busy=false), who holds the lock and how to proceed.
+  type: str
+  returned: in check mode (O(state=acquired), O(state=renewed)), or when busy with O(fail_on_busy=false)
 """
 
 import time

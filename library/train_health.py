@@ -77,6 +77,17 @@ options:
   lock_ttl:
     description: The lease renewed at each poll, in seconds; default, the lease's own ttl.
     type: int
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: It only reads, and waits as in a real run; the run lock's lease is not renewed in check mode.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: Linux with systemd (C(systemctl show), C(journalctl)).
 """
 
 EXAMPLES = r"""
@@ -110,25 +121,31 @@ EXAMPLES = r"""
 RETURN = r"""
 verdict:
   description:
-    - healthy, done, oom, config, hang, disk_full, crash, stopped or timeout; C(waiting) when C(poll_for) ran out first.
+    - C(healthy), C(done), C(oom), C(config), C(hang), C(disk_full), C(crash) (a crash loop included), C(stopped)
+      or C(timeout); C(waiting) when O(poll_for) ran out first.
     - C(lock_lost) when O(lock_path) could not be renewed because the lock is no longer this run's.
+    - Every verdict but C(healthy), C(done) and C(waiting) fails the task.
+  type: str
+  returned: always
+msg:
+  description: The verdict in words (for a failure, with what to do).
   type: str
   returned: always
 status:
-  description: The trainer's last status.json (step, tokens/s, peak memory, ...).
+  description: The trainer's last status.json (step, tokens/s, peak memory, ...); {} when there is none.
   type: dict
   returned: always
 unit:
-  description: The unit's ActiveState, SubState, Result, ExecMainStatus, NRestarts.
+  description: The unit's ActiveState, SubState, Result, ExecMainStatus, NRestarts ({} with C(lock_lost)).
   type: dict
   returned: always
 log:
-  description: The unit's last journal lines (on failure).
+  description: The last O(log_lines) journal lines of the unit's current invocation.
   type: list
   elements: str
-  returned: on failure
+  returned: when the task fails, except with C(lock_lost)
 elapsed:
-  description: Seconds waited since C(wait_started).
+  description: Seconds waited since RV(wait_started) (0 with C(lock_lost)).
   type: float
   returned: always
 progress:
@@ -136,11 +153,11 @@ progress:
   type: str
   returned: always
 wait_started:
-  description: When the wait began (the target's clock); pass it to the next call.
+  description: When the wait began (seconds since the epoch, the target's clock); pass it to the next call.
   type: float
   returned: always
 baseline_step:
-  description: The step reported when the wait began; pass it to the next call.
+  description: The step reported when the wait began, null before the trainer reported one; pass it to the next call.
   type: int
   returned: always
 """

@@ -12,19 +12,23 @@ description:
   - Reads the trainer's C(status.json), the systemd unit, the unit's restart back-off record and the GPU device
     holders, and classifies the run as one of C(running), C(starting), C(stopped), C(finished), C(failed) or
     C(crash-looping), with the failure reason (the trainer's own error kind, else how systemd saw the exit, else
-    what the journal says: rendezvous, NCCL, signal).
+    what the journal says, such as rendezvous, NCCL or a signal).
   - A run that is up but has not reported for several expected step intervals is reported as stalled.
   - Lists processes outside the unit that hold a GPU device (by pid, user and command), protected ones apart.
   - Changes nothing; the same in check mode.
 version_added: "0.2.0"
 author: eagle3-pve contributors
+extends_documentation_fragment:
+  - action_common_attributes
 attributes:
   check_mode:
     support: full
+    details: It only reads, the same in check mode.
   diff_mode:
     support: none
   platform:
     platforms: posix
+    details: Linux with systemd (C(systemctl show), C(journalctl)); GPU holders are read from /proc.
 options:
   unit:
     description: The training unit.
@@ -61,11 +65,26 @@ EXAMPLES = r"""
 
 RETURN = r"""
 run:
-  description: >-
-    {state, reason, detail, stalled}: state is running, starting, stopped, finished, failed or crash-looping;
-    reason the last failure (e.g. C(oom: CUDA out of memory)); detail what to look at.
+  description: The run as one state.
   type: dict
   returned: always
+  contains:
+    state:
+      description: C(running), C(starting), C(stopped), C(finished), C(failed) or C(crash-looping).
+      type: str
+      returned: always
+    reason:
+      description: "The last failure, such as C(oom: CUDA out of memory); empty when there is none."
+      type: str
+      returned: always
+    detail:
+      description: What to look at, in words (a stall, a restart delay, where the run resumed).
+      type: str
+      returned: always
+    stalled:
+      description: A running trainer has not reported for several expected step intervals.
+      type: bool
+      returned: always
 status:
   description: The trainer's last status.json ({} when there is none).
   type: dict
@@ -90,7 +109,7 @@ status_age_s:
   type: int
   returned: always
 foreign_holders:
-  description: Processes outside the unit holding a GPU device ({pid, name, user, paths, cmdline}).
+  description: Processes outside the unit holding a GPU device ({pid, name, user, paths, cmdline, protected}); [] without O(devices).
   type: list
   elements: dict
   returned: always

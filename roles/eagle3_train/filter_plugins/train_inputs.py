@@ -9,6 +9,9 @@ filter accepts (true/false, yes/no, on/off, 1/0, any case), so the use sites can
 A variable with the role's prefix that the table does not know is reported as a likely typo.
 
 ``seq_len_refusal``: the verdict on an explicit max_seq_len from the memory planner's JSON (plan.yml).
+
+This file defines two filters, so ansible-doc reads their documentation from a file per filter beside it:
+train_input_errors.yml and seq_len_refusal.yml.
 """
 
 from __future__ import annotations
