@@ -1,6 +1,6 @@
 """Measure the bytes a training step really holds, on any device, CPU included.
 
-The planner (eagle3/plan.py) predicts peak memory from formulas; this module measures what the same code
+The planner (eagle3/plan/model.py) predicts peak memory from formulas; this module measures what the same code
 allocates so that the formulas can be checked on a machine without a GPU. Two trackers:
 
 - ``LiveBytesTracker``: a TorchDispatchMode that sees every tensor an op returns. It counts each storage

@@ -1,0 +1,118 @@
+"""Memory planner: predicted peak bytes per GPU for (drafter shape, ttt_steps, max_seq_len, world size, options),
+and the largest max_seq_len that fits.
+
+    python -m eagle3 plan --shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing
+    python -m eagle3 plan --config train.yaml --world-size 8 --memory-gb 96 --json     # what max_seq_len=auto runs
+
+    model.py      the analytic model: every term names the tensors it stands for; a plan for a budget
+    gpu_probe.py  real steps on this GPU at two lengths, a fitted line, a cached choice (CUDA only)
+    cli.py        the command line and its JSON object (the Ansible role parses it)
+
+The names below are the planner's public interface (tests, bench/, eagle3.memtrack use them as `plan.X`).
+"""
+
+from eagle3.errors import ConfigError
+from eagle3.plan.cli import (
+    build_parser,
+    choose,
+    format_table,
+    load_trainer_config,
+    main,
+    parse_lengths,
+    shape_from_config,
+)
+from eagle3.plan.gpu_probe import (
+    ProbeUnavailable,
+    build_probe_step,
+    config_hash,
+    cuda_measure,
+    default_cache_dir,
+    fit_line,
+    probe,
+    probe_cache_path,
+)
+from eagle3.plan.model import (
+    CPU_ALLOCATOR_FACTOR,
+    DEFAULT_LENGTHS,
+    EXACT_BLOCK,
+    FP32,
+    GIB,
+    MAX_SEARCH_LEN,
+    SEQ_BLOCK,
+    SHAPES,
+    Options,
+    Plan,
+    Shape,
+    activation_bytes,
+    activation_terms,
+    batch_bytes,
+    breakdown,
+    budget_bytes,
+    check_options,
+    checkpointed_step_terms,
+    cpu_reserve_gib,
+    dynamic_bytes,
+    exact_block_elements,
+    largest_fitting,
+    make_plan,
+    once_held_terms,
+    options_from_config,
+    predict_peak_bytes,
+    reduce_phase_bytes,
+    static_bytes,
+    static_terms,
+    step_held_terms,
+    transient_bytes,
+    transient_terms,
+)
+
+__all__ = [
+    "CPU_ALLOCATOR_FACTOR",
+    "DEFAULT_LENGTHS",
+    "EXACT_BLOCK",
+    "FP32",
+    "GIB",
+    "MAX_SEARCH_LEN",
+    "SEQ_BLOCK",
+    "SHAPES",
+    "ConfigError",
+    "Options",
+    "Plan",
+    "ProbeUnavailable",
+    "Shape",
+    "activation_bytes",
+    "activation_terms",
+    "batch_bytes",
+    "breakdown",
+    "budget_bytes",
+    "build_parser",
+    "build_probe_step",
+    "check_options",
+    "checkpointed_step_terms",
+    "choose",
+    "config_hash",
+    "cpu_reserve_gib",
+    "cuda_measure",
+    "default_cache_dir",
+    "dynamic_bytes",
+    "exact_block_elements",
+    "fit_line",
+    "format_table",
+    "largest_fitting",
+    "load_trainer_config",
+    "main",
+    "make_plan",
+    "once_held_terms",
+    "options_from_config",
+    "parse_lengths",
+    "predict_peak_bytes",
+    "probe",
+    "probe_cache_path",
+    "reduce_phase_bytes",
+    "shape_from_config",
+    "static_bytes",
+    "static_terms",
+    "step_held_terms",
+    "transient_bytes",
+    "transient_terms",
+]

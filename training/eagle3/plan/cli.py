@@ -1,0 +1,266 @@
+"""`python -m eagle3 plan`: the command line, the table and the JSON object the Ansible role parses
+(roles/eagle3_train/tasks/plan.yml reads max_seq_len, predicted_gb, memory_gb, static_gb, table, source ...).
+
+    python -m eagle3 plan --shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing
+    python -m eagle3 plan --config train.yaml --world-size 8 --memory-gb 96 --json     # what max_seq_len=auto runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
+from eagle3.plan.gpu_probe import ProbeUnavailable, probe
+from eagle3.plan.model import (
+    DEFAULT_LENGTHS,
+    GIB,
+    SEQ_BLOCK,
+    SHAPES,
+    Options,
+    Plan,
+    Shape,
+    budget_bytes,
+    make_plan,
+    options_from_config,
+)
+
+
+def shape_from_config(cfg) -> tuple[Shape, int]:
+    """Drafter shape from the trainer config and its dataset index (sizes there, heads/MLP derived as train.py does);
+    also the dataset's bytes per hidden element."""
+    from eagle3.data import read_index
+    from eagle3.train import drafter_config
+
+    index = read_index(cfg.data_dir)
+    dc = drafter_config(cfg, index)
+    shape = Shape(
+        dc.hidden_size, dc.num_heads, dc.head_dim, dc.intermediate_size, dc.draft_vocab_size, dc.target_vocab_size,
+        norm_before_fc=dc.norm_before_fc, train_lm_head=dc.train_lm_head,
+    )  # fmt: skip
+    data_bytes = {"float32": 4, "fp32": 4}.get(str(index.dtype).replace("torch.", ""), 2)
+    return shape, data_bytes
+
+
+def load_trainer_config(path: str):
+    """The trainer's config file, `max_seq_len: auto` allowed (the planner is what resolves it)."""
+    from eagle3.config import build_config, load_config_file
+
+    values = load_config_file(path)
+    if str(values.get("max_seq_len", "")).lower() == "auto":
+        values["max_seq_len"] = SEQ_BLOCK
+    return build_config(values, {})
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'8192,16384' -> [8192, 16384]; each a positive multiple of 128.
+
+    >>> parse_lengths("8192, 16384")
+    [8192, 16384]
+    """
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise ConfigError(
+            f"--lengths {text!r} is not a comma-separated list of integers, e.g. 8192,16384"
+        ) from e
+    bad = [v for v in values if v <= 0 or v % SEQ_BLOCK]
+    if bad or not values:
+        raise ConfigError(f"--lengths {text!r}: {bad or 'nothing'} not positive multiples of {SEQ_BLOCK}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle3 import config
+    from eagle3.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3 plan",
+        description="Predict peak GPU memory per max_seq_len and choose the largest length that fits.",
+        formatter_class=HelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="FILE",
+                     help="trainer config (YAML; max_seq_len: auto allowed); its dataset index gives the shape")  # fmt: skip
+    src.add_argument("--shape", choices=sorted(SHAPES), help="a named drafter shape")
+    for name in (
+        "hidden-size",
+        "num-heads",
+        "head-dim",
+        "intermediate-size",
+        "draft-vocab-size",
+        "target-vocab-size",
+    ):
+        p.add_argument(f"--{name}", type=int, metavar="INT",
+                       help="override one dimension of --shape (or give all six)")  # fmt: skip
+    p.add_argument("--ttt-steps", type=int, default=None, metavar="INT",
+                   help="TTT steps (default: the config's, else 5)")  # fmt: skip
+    p.add_argument("--world-size", type=int, default=1, metavar="INT", help="ranks (GPUs) in the run")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+                   help="memory per GPU in GiB (default: the config's memory_limit_gb)")  # fmt: skip
+    p.add_argument(
+        "--margin", type=float, default=0.1, metavar="FRACTION", help="fraction of memory kept free"
+    )
+    # Options shared with the trainer: their meaning and choices come from the config declaration.
+    shared = "(default: the config's, else the trainer default)"
+    for key in ("activation_checkpointing", "fsdp"):
+        p.add_argument("--" + key.replace("_", "-"), action="store_true", default=None,
+                       help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
+    p.add_argument(
+        "--device", choices=[c for c in config.choices("device") if c != "auto"], default=None,
+        help="where the trainer runs (default: the config's, resolved on this machine; else cuda)",
+    )  # fmt: skip
+    for key in ("dtype", "attention"):
+        p.add_argument("--" + key, choices=config.choices(key), default=None,
+                       help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
+    p.add_argument("--loss-chunk-size", type=int, default=None, metavar="INT",
+                   help=f"{config.SPECS['loss_chunk_size'].help} {shared}")  # fmt: skip
+    p.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory torch does not count, GiB (default: 1.0 on cuda, 1 + 1/16 per thread on cpu)",
+    )
+    p.add_argument("--lengths", default=None, metavar="N,N,...",
+                   help=f"lengths for the table, e.g. 8192,16384,32768 (default: {','.join(map(str, DEFAULT_LENGTHS))})")  # fmt: skip
+    p.add_argument(
+        "--probe", action="store_true", help="confirm with real steps on this GPU (skipped without CUDA)"
+    )
+    p.add_argument("--probe-lengths", default="4096,8192", metavar="N,N", help="the two probe lengths")
+    p.add_argument(
+        "--cache-dir", default=None, metavar="DIR", help="probe cache (default: ~/.cache/eagle3/plan)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (the Ansible role parses it)")
+    return p
+
+
+def _resolve(args) -> tuple[Shape, Options, int, float]:
+    """Shape, options, ttt_steps and memory from the command line and, when given, the trainer config."""
+    from eagle3.config import TrainConfig
+
+    dims = (
+        "hidden_size",
+        "num_heads",
+        "head_dim",
+        "intermediate_size",
+        "draft_vocab_size",
+        "target_vocab_size",
+    )
+    device = args.device or "cuda"
+    if args.config:
+        cfg = load_trainer_config(args.config)
+        shape, data_bytes = shape_from_config(cfg)
+        ttt_steps = cfg.ttt_steps
+        memory = cfg.memory_limit_gb or None
+        if args.device is None:
+            device = cfg.device  # auto: resolved on this machine (the plan runs where the trainer will)
+    else:
+        cfg = TrainConfig()  # the trainer's defaults, from its declaration
+        if args.shape:
+            shape = SHAPES[args.shape]
+        elif all(getattr(args, d) for d in dims):
+            shape = Shape(*(getattr(args, d) for d in dims))
+        else:
+            raise ConfigError(
+                "give --config FILE, --shape NAME, or all six of --"
+                + ", --".join(d.replace("_", "-") for d in dims)
+            )
+        data_bytes, ttt_steps, memory = 2, 5, None
+    overrides = {d: getattr(args, d) for d in dims if getattr(args, d)}
+    if overrides:
+        shape = dataclasses.replace(shape, **overrides)
+    for key in ("dtype", "attention", "activation_checkpointing", "fsdp", "loss_chunk_size"):
+        if getattr(args, key) is not None:
+            setattr(cfg, key, getattr(args, key))
+    opts = dataclasses.replace(options_from_config(cfg, device, args.world_size), data_bytes=data_bytes)
+    if args.reserve_gb is not None:
+        opts = dataclasses.replace(opts, reserve_gib=args.reserve_gb)
+    ttt_steps = args.ttt_steps if args.ttt_steps is not None else ttt_steps
+    memory = args.memory_gb if args.memory_gb is not None else memory
+    if memory is None:
+        raise ConfigError(
+            "no memory budget: pass --memory-gb (GiB per GPU) or set memory_limit_gb in the config"
+        )
+    return shape, opts, ttt_steps, memory
+
+
+def format_table(plan: Plan) -> str:
+    budget = budget_bytes(plan.memory_gb, plan.margin) / GIB
+    lines = [
+        f"drafter: hidden {plan.shape.hidden_size}, {plan.shape.num_heads} heads x {plan.shape.head_dim}, "
+        f"mlp {plan.shape.intermediate_size}, vocab {plan.shape.draft_vocab_size}/{plan.shape.target_vocab_size}; "
+        f"ttt_steps {plan.ttt_steps}, world size {plan.world_size}",
+        "options: "
+        + ", ".join(
+            f"{k}={v}"
+            for k, v in plan.options.describe().items()
+            if k in ("activation_checkpointing", "fsdp", "autocast", "attention")
+        ),
+        f"static {plan.static_gb:.2f} GiB (reserve included); budget {budget:.2f} GiB "
+        f"({plan.memory_gb:g} GiB less {plan.margin:.0%})",
+        f"{'max_seq_len':>12}  {'predicted GiB':>13}  fits",
+    ]
+    for row in plan.table:
+        lines.append(
+            f"{row['max_seq_len']:>12}  {row['predicted_gb']:>13.1f}  {'yes' if row['fits'] else 'no'}"
+        )
+    lines.append(
+        f"largest fitting: max_seq_len={plan.max_seq_len} ({plan.predicted_gb:.2f} GiB predicted, {plan.source})"
+    )
+    return "\n".join(lines)
+
+
+def choose(plan: Plan, probe_result: dict) -> tuple[str, int, float]:
+    """(source, max_seq_len, predicted GiB) from the analytic plan and the probe: the smaller length wins, so a
+    probe can only lower the analytic choice (the analytic terms are the ones checked for every option).
+
+    >>> plan = Plan(SHAPES["tiny"], Options(), 5, 1, 8.0, 0.1, 4096, 5.0, 1.0, [])
+    >>> choose(plan, {"max_seq_len": 2048, "predicted_gb": 7.0})
+    ('probe', 2048, 7.0)
+    >>> choose(plan, {"max_seq_len": 8192, "predicted_gb": 7.0})
+    ('analytic (the probe allows 8192)', 4096, 5.0)
+    """
+    if probe_result["max_seq_len"] <= plan.max_seq_len:
+        return "probe", probe_result["max_seq_len"], probe_result["predicted_gb"]
+    return f"analytic (the probe allows {probe_result['max_seq_len']})", plan.max_seq_len, plan.predicted_gb
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else sys.argv[1:])
+    try:
+        shape, opts, ttt_steps, memory = _resolve(args)
+        lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
+        plan = make_plan(
+            shape, opts, ttt_steps=ttt_steps, world_size=args.world_size, memory_gb=memory, margin=args.margin,
+            lengths=lengths,
+        )  # fmt: skip
+        if args.probe:
+            try:
+                result = probe(
+                    shape, opts, ttt_steps=ttt_steps, world_size=args.world_size, memory_gb=memory,
+                    margin=args.margin, lengths=parse_lengths(args.probe_lengths),
+                    cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                )  # fmt: skip
+            except ProbeUnavailable as e:
+                print(f"probe skipped: {e}", file=sys.stderr)
+            else:
+                if result["max_seq_len"] is None:
+                    raise ConfigError(
+                        f"the probe on {result['gpu']} finds no length that fits {memory} GiB "
+                        f"(measured {result['measured']}); turn on activation_checkpointing or fsdp"
+                    )
+                plan.probe = result
+                plan.source, plan.max_seq_len, plan.predicted_gb = choose(plan, result)
+    except ConfigError as e:
+        print(f"eagle3 plan: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(format_table(plan))
+    return EXIT_OK
