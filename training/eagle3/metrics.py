@@ -130,6 +130,104 @@ def console_line(record: dict) -> str:
     )
 
 
+# ------------------------------------------------------------------------------------- the records
+# status.json fields a train record updates at each log step (besides the watchdog's bound)
+STATUS_FROM_TRAIN = (
+    "step", "epoch", "loss", "full_acc_0", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "time_split",
+    "peak_mem_gb", "mem_kind", "eta_s",
+)  # fmt: skip
+
+
+def rate_fields(summary: dict) -> dict:
+    """The mean loss and the per-TTT-step rates of a `summarize` result, as both records carry them."""
+    return {
+        "loss": mean_loss(summary),
+        "loss_per_step": summary["loss"],
+        "full_acc": summary["full_acc"],
+        "cond_acc": summary["cond_acc"],
+        "full_acc_true": summary["full_acc_true"],
+        "cond_acc_true": summary["cond_acc_true"],
+    }
+
+
+def train_record(
+    summary: dict,
+    scalars: dict[str, float],
+    memory_gb: list[float],
+    checksums: list[float] | None,
+    *,
+    step: int,
+    epoch: int,
+    max_steps: int,
+    lr: float,
+    wall_s: float,
+    world_size: int,
+    mem_kind: str,
+) -> dict:
+    """One `kind: train` line of metrics.jsonl from a log window: `summary` of the summed statistics, `scalars`
+    summed over the ranks (SCALAR_SUM_KEYS), each rank's peak memory and parameter checksum (None under FSDP
+    or with one rank), `wall_s` since the window began.
+
+    >>> s = summarize(torch.ones(8, 2, dtype=torch.float64))
+    >>> scalars = {"tokens": 800.0, "rows": 4.0, "steps": 4.0, "fetch": 0.4, "fwd": 2.0, "bwd": 1.2, "opt": 0.4}
+    >>> r = train_record(s, scalars, [1.5, 2.0], None, step=10, epoch=0, max_steps=30, lr=1e-4, wall_s=2.0,
+    ...                  world_size=2, mem_kind="rss")
+    >>> r["tokens_per_s"], r["tokens_per_s_per_rank"], r["step_time_s"], r["eta_s"], r["peak_mem_gb"]
+    (400.0, 200.0, 1.0, 20.0, 2.0)
+    >>> r["time_split"]["fwd"], r["full_acc_1"]
+    (0.5, 1.0)
+    """
+    steps = max(1.0, scalars["steps"] / world_size)  # steps in the window (each rank counted its own)
+    step_time = wall_s / steps
+    record = {
+        "kind": "train",
+        "step": step,
+        "epoch": epoch,
+        "max_steps": max_steps,
+        "lr": lr,
+        **rate_fields(summary),
+        "positions": summary["count"],
+        "tokens": scalars["tokens"],
+        "tokens_per_s": scalars["tokens"] / wall_s,
+        "tokens_per_s_per_rank": scalars["tokens"] / wall_s / world_size,
+        "step_time_s": step_time,
+        "time_split": {k: scalars[k] / world_size / steps for k in TIMER_KEYS},
+        "peak_mem_gb": max(memory_gb),
+        "peak_mem_gb_per_rank": memory_gb,
+        "mem_kind": mem_kind,
+        "param_checksums": checksums,
+        "eta_s": (max_steps - step) * step_time,
+        "world_size": world_size,
+    }
+    for k, v in enumerate(summary["full_acc"]):
+        record[f"full_acc_{k}"] = v
+        record[f"cond_acc_{k}"] = summary["cond_acc"][k]
+    return record
+
+
+def status_fields(record: dict) -> dict:
+    """The status.json fields of a train record."""
+    return {key: record[key] for key in STATUS_FROM_TRAIN}
+
+
+def val_record(step: int, summary: dict) -> dict:
+    """One validation result (status.json `val`, and metrics.jsonl with `kind: val`)."""
+    return {"step": step, **rate_fields(summary), "positions": summary["count"][0]}
+
+
+def val_line(val: dict) -> str:
+    """The log line of a validation result.
+
+    >>> val_line({"step": 40, "loss": 1.25, "full_acc": [0.5, 0.25, None], "full_acc_true": [0.4], "positions": 96.0})
+    'val step 40: loss 1.2500 full_acc 0.500 0.250 (true 0.400) over 96 positions'
+    """
+    return (
+        f"val step {val['step']}: loss {val['loss']:.4f} full_acc "
+        + " ".join(f"{v:.3f}" for v in val["full_acc"] if v is not None)
+        + f" (true {val['full_acc_true'][0]:.3f}) over {int(val['positions'])} positions"
+    )
+
+
 class RunFiles:
     """`status.json` (atomically replaced) and `metrics.jsonl` (appended) of one run; rank 0 writes them."""
 

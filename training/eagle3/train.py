@@ -18,7 +18,6 @@ import json
 import math
 import os
 import resource
-import shutil
 import signal
 import sys
 import time
@@ -29,23 +28,25 @@ from pathlib import Path
 
 import torch
 import yaml
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
 from eagle3 import options
+from eagle3.checkpointer import Checkpointer
 from eagle3.config import TrainConfig, dump_config, load_config
 from eagle3.data import DatasetReader
 from eagle3.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_OOM, ConfigError, DataError, DiskFullError
 from eagle3.metrics import (
     SCALAR_SUM_KEYS,
-    TIMER_KEYS,
     RunFiles,
     StatAccumulator,
     console_line,
-    mean_loss,
     peak_memory_gb,
+    status_fields,
     summarize,
+    train_record,
+    val_line,
+    val_record,
 )
 from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
 from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
@@ -151,38 +152,20 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def replan_on_resume(state: ckpt.TrainerState, changed: list[str], plan_len: int) -> str | None:
-    """Place a resumed state in the epoch plan of the current settings; returns the warning to log, if any.
+def advance(state: ckpt.TrainerState, samples: int, plan_len: int) -> None:
+    """Count one finished step: the position moves on in the epoch plan (`plan_len` steps), or to the next epoch.
 
-    `changed` lists the plan inputs that differ from the checkpoint's ("world_size 2 -> 1"); `plan_len` is the
-    length of the plan of `state.epoch` under the current settings. When that plan is shorter than the position
-    reached, epoch `state.epoch` is over and training continues with the next epoch from its start; otherwise
-    the rest of the same epoch is re-planned.
-
-    >>> s = ckpt.TrainerState(step=70, epoch=1, step_in_epoch=30, samples_seen=0, world_size=1, max_seq_len=512,
+    >>> s = ckpt.TrainerState(step=9, epoch=0, step_in_epoch=9, samples_seen=30, world_size=1, max_seq_len=512,
     ...                       seed=0)
-    >>> print(replan_on_resume(s, ["world_size 1 -> 2"], plan_len=50))
-    warning: world_size 1 -> 2 since the checkpoint: the rest of epoch 1 is re-planned (from step 30 of 50)
-    >>> print(replan_on_resume(s, ["world_size 1 -> 2"], plan_len=20))  # doctest: +NORMALIZE_WHITESPACE
-    warning: world_size 1 -> 2 since the checkpoint: epoch 1 now has 20 steps and 30 were done, so the rest of
-    epoch 1 is skipped; training continues with epoch 2 from its start
-    >>> s.epoch, s.step_in_epoch
-    (2, 0)
+    >>> advance(s, samples=3, plan_len=10)
+    >>> s.step, s.epoch, s.step_in_epoch, s.samples_seen
+    (10, 1, 0, 33)
     """
-    what = f"warning: {', '.join(changed)} since the checkpoint"
+    state.step += 1
+    state.step_in_epoch += 1
+    state.samples_seen += samples
     if state.step_in_epoch >= plan_len:
-        done, epoch = state.step_in_epoch, state.epoch
-        state.epoch, state.step_in_epoch = epoch + 1, 0
-        if not changed:
-            return None
-        return (
-            f"{what}: epoch {epoch} now has {plan_len} steps and {done} were done, so the rest of epoch {epoch} "
-            f"is skipped; training continues with epoch {epoch + 1} from its start"
-        )
-    if changed and state.step_in_epoch:
-        # The epoch plan depends on these; continuing mid-epoch with a new plan may repeat or skip samples.
-        return f"{what}: the rest of epoch {state.epoch} is re-planned (from step {state.step_in_epoch} of {plan_len})"
-    return None
+        state.epoch, state.step_in_epoch = state.epoch + 1, 0
 
 
 class RowPrefetcher:
@@ -213,6 +196,9 @@ class RowPrefetcher:
 
 
 class Trainer:
+    """One rank of a run. Set up with `check_data` (no GPU memory yet) and `build_model`, then `train`: resume,
+    then per step `train_step` and the step boundary (`reduce_boundary`, validation, checkpoints)."""
+
     def __init__(self, cfg: TrainConfig, info: dist_utils.DistInfo, files: RunFiles, stop: StopRequested):
         self.cfg = cfg
         self.info = info
@@ -221,6 +207,25 @@ class Trainer:
         self.started = time.time()
         # main() replaces this with an armed one once the process group is up; off until then.
         self.watchdog = Watchdog(floor_s=0, factor=1, first_step_s=1, checkpoint_s=1)
+        # check_data: the dataset, its split and the run options resolved for this device
+        self.reader: DatasetReader | None = None
+        self.train_ids: list[int] = []
+        self.val_ids: list[int] = []
+        self.run_options: options.RunOptions | None = None
+        self._plan: EpochPlan | None = None  # the epoch plan last asked for (plan)
+        # build_model: the drafter, what a step calls (DDP around it, or FSDP-sharded), optimizer and schedule
+        self.drafter_config: DrafterConfig | None = None
+        self.model: Eagle3Drafter | None = None
+        self.step_module: torch.nn.Module | None = None
+        self.autocast_dtype: torch.dtype | None = None  # bf16 under autocast, None without
+        self.trainable: list[torch.nn.Parameter] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.steps_per_epoch = 0
+        self.total_steps = 0
+        self.checkpoints: Checkpointer | None = None
+        # train: the step this run resumed at (0 from scratch); EAGLE3_FAULT_OOM_AT_STEP=+N counts from it
+        self.start_step = 0
 
     def log(self, msg: str) -> None:
         if self.info.is_main:
@@ -260,7 +265,7 @@ class Trainer:
             self.log(note)
 
     def plan(self, epoch: int) -> EpochPlan:
-        if getattr(self, "_plan", None) is None or self._plan.epoch != epoch:
+        if self._plan is None or self._plan.epoch != epoch:
             self._plan = plan_epoch(
                 self.train_ids,
                 self.reader.index.lengths,
@@ -323,6 +328,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, self.total_steps)
         )
+        self.checkpoints = Checkpointer(
+            cfg, self.info, self.files, self.model, self.optimizer, self.scheduler, log=self.log
+        )
         n_train = sum(p.numel() for p in self.trainable)
         n_frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
         plan = self.plan(0)
@@ -337,74 +345,6 @@ class Trainer:
             f"max_seq_len {cfg.max_seq_len} (fill {plan.fill:.0%}, {plan.truncated} truncated), "
             f"total {self.total_steps} steps"
         )
-
-    def resume(self) -> ckpt.TrainerState:
-        cfg = self.cfg
-        fresh = ckpt.TrainerState(
-            step=0, epoch=0, step_in_epoch=0, samples_seen=0, world_size=self.info.world_size,
-            max_seq_len=cfg.max_seq_len, seed=cfg.seed,
-        )  # fmt: skip
-        choice = None
-        if self.info.is_main:  # rank 0 verifies (hashes every file once) and tells the others
-            found, skipped = ckpt.choose_resume(cfg.run_dir, warn=self.log)
-            choice = (str(found) if found is not None else None, skipped)
-        found, skipped = dist_utils.broadcast_object(choice, self.info)
-        if skipped:
-            self.files.update_status(skipped_checkpoints=skipped)
-        if found is None:
-            if skipped:
-                self.log(
-                    f"warning: none of the {len(skipped)} checkpoints in {ckpt.checkpoints_dir(cfg.run_dir)} is "
-                    "usable (each was moved aside, see above): training starts from step 0"
-                )
-            return fresh
-        path = Path(found)
-        state = ckpt.read_state(path)
-        weights = ckpt.load_model_state(path)
-        own = self.model.state_dict()
-        for key, value in weights.items():
-            if key not in own:
-                raise ConfigError(f"checkpoint {path} has {key!r}, which this model lacks; use a new run_dir")
-            if own[key].shape != value.shape:
-                raise ConfigError(
-                    f"checkpoint {path}: {key} has shape {list(value.shape)} but the model built from this config "
-                    f"has {list(own[key].shape)}; the shape options changed, use a new run_dir"
-                )
-        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in weights]
-        if missing:
-            raise ConfigError(f"checkpoint {path} lacks trainable weights {missing[:3]}; use a new run_dir")
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        full = StateDictOptions(full_state_dict=True, strict=False)
-        # Every rank reads the full checkpoint; under FSDP each keeps its own shard.
-        set_model_state_dict(self.model, weights, options=full)
-        opt = ckpt.load_optimizer_state(path)
-        set_optimizer_state_dict(self.model, self.optimizer, opt["optimizer"], options=full)
-        self.scheduler.load_state_dict(opt["scheduler"])
-        ckpt.restore_rng(path, self.info.rank)
-        changed = [
-            f"{k} {getattr(state, k)} -> {v}"
-            for k, v in (
-                ("world_size", self.info.world_size),
-                ("max_seq_len", cfg.max_seq_len),
-                ("seed", cfg.seed),
-            )
-            if getattr(state, k) != v
-        ]
-        resumed_at = state.step
-        note = replan_on_resume(state, changed, len(self.plan(state.epoch)))
-        if note:
-            self.log(note)
-        state.world_size, state.max_seq_len, state.seed = self.info.world_size, cfg.max_seq_len, cfg.seed
-        self.log(
-            f"resumed from step {resumed_at} (checkpoint {path}): next is epoch {state.epoch}, "
-            f"step {state.step_in_epoch} in the epoch"
-        )
-        self.files.update_status(
-            resumed_from_step=resumed_at, resumed_from_checkpoint=str(path),
-            last_checkpoint_step=resumed_at, last_checkpoint_time=ckpt.checkpoint_time(path),
-        )  # fmt: skip
-        return state
 
     # ----------------------------------------------------------------------------------- pieces
     def fetch_row(
@@ -444,104 +384,9 @@ class Trainer:
             torch.cuda.synchronize(self.info.device)
 
     def save_checkpoint(self, state: ckpt.TrainerState, best: bool = False) -> Path | None:
-        """Write a step checkpoint (every rank takes part) and, when `best`, publish it as checkpoints/best.
-
-        The ranks agree after each stage. A failed write removes the temporary directory and keeps the previous
-        checkpoints; a full disk raises DiskFullError on every rank (exit 1, status.json error kind disk_full:
-        training does not go on without checkpoints), any other failure is raised as it is.
-        """
+        """A step checkpoint from every rank (eagle3.checkpointer), under the watchdog's checkpoint bound."""
         with self.watchdog.phase(f"checkpoint at step {state.step}", self.cfg.watchdog_checkpoint_s):
-            return self._save_checkpoint(state, best)
-
-    def _save_checkpoint(self, state: ckpt.TrainerState, best: bool) -> Path | None:
-        main = self.info.is_main
-        tmp = ckpt.tmp_dir_for(self.cfg.run_dir, state.step)
-        failure = None
-        if main:
-            try:
-                self.files.update_status(phase="checkpointing")
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            except Exception as e:
-                failure = e
-        self._agree_on_checkpoint(failure, state.step, tmp)  # also the barrier before the other ranks write
-        try:
-            ckpt.write_rng(tmp, self.info.rank)
-        except Exception as e:
-            failure = e
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        # Collectives under FSDP (every rank takes part); full tensors on the CPU of rank 0.
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(self.model, options=full)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=full)
-        if main and failure is None:
-            try:
-                ckpt.write_main(
-                    tmp,
-                    ckpt.trainable_state(self.model, model_state),
-                    optimizer_state,
-                    self.scheduler,
-                    state,
-                    self.cfg.to_dict(),
-                )
-            except Exception as e:
-                failure = e
-        del model_state, optimizer_state
-        self._agree_on_checkpoint(failure, state.step, tmp)
-        final = None
-        if main:
-            try:
-                final = ckpt.finalize(self.cfg.run_dir, state.step, self.cfg.keep_checkpoints)
-                self.files.update_status(
-                    last_checkpoint_step=state.step, last_checkpoint_time=ckpt.checkpoint_time(final)
-                )
-                self.log(f"checkpoint: {final}")
-                if best:
-                    ckpt.save_best(self.cfg.run_dir, final)
-            except Exception as e:
-                failure = e
-        self._agree_on_checkpoint(failure, state.step, tmp, written=final)
-        return final
-
-    def _agree_on_checkpoint(
-        self, failure: Exception | None, step: int, tmp: Path, written: Path | None = None
-    ) -> None:
-        """One collective: did any rank fail (2: a full disk)? If so clean up, say so and raise on every rank."""
-        code = 0 if failure is None else 2 if ckpt.is_disk_full(failure) else 1
-        code = int(
-            dist_utils.all_reduce(torch.tensor([float(code)], dtype=torch.float64), self.info, "max").item()
-        )
-        if code == 0:
-            return
-        root = ckpt.checkpoints_dir(self.cfg.run_dir)
-        if self.info.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(root / ".tmp_best", ignore_errors=True)
-        if code == 1:
-            if failure is not None:
-                raise failure
-            raise RuntimeError(f"checkpoint at step {step} not written: another rank failed writing it")
-        if not self.info.is_main:
-            raise DiskFullError(f"checkpoint at step {step} not written: disk full (rank 0 names the path)")
-        valid = ckpt.list_valid(self.cfg.run_dir)
-        kept = f"previous checkpoint step {valid[-1][0]} kept" if valid else "no previous checkpoint"
-        if written is not None and valid and valid[-1][1] == written:
-            head = f"checkpoint at step {step} written, but best/ or status.json not updated"
-            kept = f"checkpoint step {step} kept"
-        else:
-            head = f"checkpoint at step {step} not written"
-        free = ""
-        with contextlib.suppress(OSError):
-            free_bytes = shutil.disk_usage(root).free
-            free = (
-                f" ({free_bytes / 2**30:.1f} GiB free now)"
-                if free_bytes >= 2**30
-                else f" ({free_bytes >> 20} MiB free now)"
-            )
-        message = f"{head}: disk full on {root}{free}; {kept}"
-        self.log(message)
-        raise DiskFullError(message) from failure
+            return self.checkpoints.save(state, best)
 
     @torch.no_grad()
     def validate(self, step: int) -> dict | None:
@@ -588,27 +433,15 @@ class Trainer:
         if summary["loss"][0] is None:
             self.log(f"val step {step}: no supervised positions in the validation split")
             return None
-        val = {
-            "step": step,
-            "loss": mean_loss(summary),
-            "loss_per_step": summary["loss"],
-            "full_acc": summary["full_acc"],
-            "cond_acc": summary["cond_acc"],
-            "full_acc_true": summary["full_acc_true"],
-            "cond_acc_true": summary["cond_acc_true"],
-            "positions": summary["count"][0],
-        }
-        self.log(
-            f"val step {step}: loss {val['loss']:.4f} full_acc "
-            + " ".join(f"{v:.3f}" for v in summary["full_acc"] if v is not None)
-            + f" (true {summary['full_acc_true'][0]:.3f}) over {int(val['positions'])} positions"
-        )
+        val = val_record(step, summary)
+        self.log(val_line(val))
         return val
 
     # ----------------------------------------------------------------------------------- loop
     def train(self) -> int:
         cfg, info = self.cfg, self.info
-        state = self.resume()
+        state = self.checkpoints.resume(plan_len=lambda epoch: len(self.plan(epoch)))
+        self.start_step = state.step
         resumed_from = state.step if state.step else None
         self.files.update_status(
             phase="training", step=state.step, epoch=state.epoch, steps_per_epoch=self.steps_per_epoch,
@@ -631,56 +464,18 @@ class Trainer:
                 injected_hang(hang_at)
 
             t0 = time.perf_counter()
-            row, real = prefetch.get((state.epoch, state.step_in_epoch), sample_ids, plan.steps[0][0][0])
-            upcoming = self.next_position(state)
-            if upcoming is not None:  # read the next row while this step computes
-                next_plan = self.plan(upcoming[0])
-                prefetch.schedule(upcoming, next_plan.steps[upcoming[1]][info.rank], next_plan.steps[0][0][0])
-                self.plan(state.epoch)  # keep the current epoch's plan cached
+            row, real = self.next_row(prefetch, state, sample_ids)
             tokens = int((row["document_ids"] >= 0).sum()) if real else 0
-            batch = self.to_device(row)
-            self.sync()
-            t1 = time.perf_counter()
-            with self.autocast():
-                loss, stats = ttt_forward(self.step_module, batch, **self.run_options.ttt_kwargs())
-            inject_oom(state.step + 1, info.rank, resumed_from or 0)  # tests only: EAGLE3_FAULT_OOM_AT_STEP
-            if not real:
-                loss = loss * 0.0
-            self.sync()
-            t2 = time.perf_counter()
-            loss.backward()
-            self.sync()
-            t3 = time.perf_counter()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            self.sync()
-            t4 = time.perf_counter()
-            del loss, batch
-
+            stats, seconds = self.train_step(row, real, state.step + 1, fetch_started=t0)
             if real:
                 acc.add_stats(stats)
-            acc.add_scalars(
-                tokens=tokens,
-                rows=1 if real else 0,
-                steps=1,
-                fetch=t1 - t0,
-                fwd=t2 - t1,
-                bwd=t3 - t2,
-                opt=t4 - t3,
-            )
+            acc.add_scalars(tokens=tokens, rows=1 if real else 0, steps=1, **seconds)
             if record_file is not None:
                 record_file.write(
                     f'{{"step": {state.step + 1}, "epoch": {state.epoch}, "ids": {list(sample_ids)}}}\n'
                 )
                 record_file.flush()
-            state.step += 1
-            state.step_in_epoch += 1
-            state.samples_seen += len(sample_ids)
-            if state.step_in_epoch >= len(plan):
-                state.epoch, state.step_in_epoch = state.epoch + 1, 0
+            advance(state, len(sample_ids), len(plan))
 
             # Step boundary: one collective carries the stop flag (and the metrics at log steps).
             is_log = state.step % cfg.log_every == 0 or state.step >= self.total_steps
@@ -690,17 +485,7 @@ class Trainer:
                 window_start = time.perf_counter()
             # Re-armed for the next step: max(floor, factor x median of the recent step times).
             self.watchdog.step_done(time.perf_counter() - t0)
-
-            last = state.step >= self.total_steps
-            # A stop request skips validation: systemd gives the unit a bounded time to exit.
-            due_val = not stop_now and (last or (cfg.val_every > 0 and state.step % cfg.val_every == 0))
-            val = self.validate(state.step) if due_val else None
-            improved = self.note_validation(val, state)
-            due_ckpt = last or stop_now or improved or state.step % cfg.checkpoint_every == 0
-            if due_ckpt:
-                self.save_checkpoint(state, best=improved)
-            if due_val or due_ckpt:
-                self.files.update_status(phase="training")
+            self.validate_and_checkpoint(state, stop_now)
             if stop_now:
                 stopped = True
                 self.log(f"stopped cleanly at step {state.step} ({self.stop.signal_name or 'another rank'})")
@@ -712,6 +497,66 @@ class Trainer:
         self.files.update_status(phase="stopped" if stopped else "done", step=state.step, epoch=state.epoch)
         self.log(f"{'stopped' if stopped else 'done'}: step {state.step}, {time.time() - self.started:.0f}s")
         return EXIT_OK
+
+    def next_row(
+        self, prefetch: RowPrefetcher, state: ckpt.TrainerState, sample_ids: list[int]
+    ) -> tuple[dict, bool]:
+        """This step's row (read during the previous step) and (row, real); schedules the next step's read."""
+        plan = self.plan(state.epoch)
+        row, real = prefetch.get((state.epoch, state.step_in_epoch), sample_ids, plan.steps[0][0][0])
+        upcoming = self.next_position(state)
+        if upcoming is not None:  # read the next row while this step computes
+            next_plan = self.plan(upcoming[0])
+            prefetch.schedule(
+                upcoming, next_plan.steps[upcoming[1]][self.info.rank], next_plan.steps[0][0][0]
+            )
+            self.plan(state.epoch)  # keep the current epoch's plan cached
+        return row, real
+
+    def train_step(
+        self, row: dict, real: bool, step: int, fetch_started: float
+    ) -> tuple[dict, dict[str, float]]:
+        """Step `step` (1-based) on this rank's row: forward (TTT, under autocast), backward, clip, AdamW,
+        scheduler. A filler row (`real` False) takes part with a zero loss, so every rank runs the same
+        collectives. Returns the TTT statistics and the seconds of each phase (fetch runs from
+        `fetch_started` to the row being on the device)."""
+        batch = self.to_device(row)
+        self.sync()
+        t1 = time.perf_counter()
+        with self.autocast():
+            loss, stats = ttt_forward(self.step_module, batch, **self.run_options.ttt_kwargs())
+        inject_oom(step, self.info.rank, self.start_step)  # tests only: EAGLE3_FAULT_OOM_AT_STEP
+        if not real:
+            loss = loss * 0.0
+        self.sync()
+        t2 = time.perf_counter()
+        loss.backward()
+        self.sync()
+        t3 = time.perf_counter()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.sync()
+        t4 = time.perf_counter()
+        del loss, batch
+        return stats, {"fetch": t1 - fetch_started, "fwd": t2 - t1, "bwd": t3 - t2, "opt": t4 - t3}
+
+    def validate_and_checkpoint(self, state: ckpt.TrainerState, stop_now: bool) -> None:
+        """After the boundary collective: validate when due, checkpoint when due (the last step, a stop, a new
+        best validation loss, every checkpoint_every steps)."""
+        cfg = self.cfg
+        last = state.step >= self.total_steps
+        # A stop request skips validation: systemd gives the unit a bounded time to exit.
+        due_val = not stop_now and (last or (cfg.val_every > 0 and state.step % cfg.val_every == 0))
+        val = self.validate(state.step) if due_val else None
+        improved = self.note_validation(val, state)
+        due_ckpt = last or stop_now or improved or state.step % cfg.checkpoint_every == 0
+        if due_ckpt:
+            self.save_checkpoint(state, best=improved)
+        if due_val or due_ckpt:
+            self.files.update_status(phase="training")
 
     def note_validation(self, val: dict | None, state: ckpt.TrainerState) -> bool:
         if val is None:
@@ -728,69 +573,38 @@ class Trainer:
     def reduce_boundary(
         self, acc: StatAccumulator, state: ckpt.TrainerState, is_log: bool, window_start: float
     ) -> bool:
-        """The step boundary collective: SUM over [stop flag, stats, scalars, per-rank memory and checksum slots]."""
+        """The step boundary collective: SUM over [stop flag, stats, scalars, per-rank memory and checksum slots].
+        At log steps rank 0 writes the window's train record: console, metrics.jsonl, status.json."""
         info = self.info
         stop = 1.0 if self.stop.requested else 0.0
         if not is_log:
             return dist_utils.any_rank(bool(stop), info)
         mem_gb, mem_kind = peak_memory_gb(info.device)
+        checksummed = (
+            info.enabled and not self.run_options.sharded
+        )  # FSDP ranks hold different shards by design
         slots = torch.zeros(2, info.world_size, dtype=torch.float64)  # [2, W] memory, parameter checksum
         slots[0, info.rank] = mem_gb
-        if info.enabled and not self.run_options.sharded:  # FSDP ranks hold different shards by design
+        if checksummed:
             slots[1, info.rank] = dist_utils.param_checksum(self.model)
         flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten()])
         flat = dist_utils.all_reduce(flat, info)
         stop_now = bool(flat[0] > 0)
-        n_stats = acc.stats.numel()
-        stats = flat[1 : 1 + n_stats].view_as(acc.stats)
-        scalars = dict(
-            zip(SCALAR_SUM_KEYS, flat[1 + n_stats : 1 + n_stats + len(SCALAR_SUM_KEYS)].tolist(), strict=True)
-        )
-        slots = flat[1 + n_stats + len(SCALAR_SUM_KEYS) :].view(2, info.world_size)
         if not info.is_main:
             return stop_now
-        wall = time.perf_counter() - window_start
-        steps = max(1.0, scalars["steps"] / info.world_size)
-        summary = summarize(stats)
-        step_time = wall / steps
-        remaining = self.total_steps - state.step
-        record = {
-            "kind": "train",
-            "step": state.step,
-            "epoch": state.epoch,
-            "max_steps": self.total_steps,
-            "lr": self.scheduler.get_last_lr()[0],
-            "loss": mean_loss(summary),
-            "loss_per_step": summary["loss"],
-            "full_acc": summary["full_acc"],
-            "cond_acc": summary["cond_acc"],
-            "full_acc_true": summary["full_acc_true"],
-            "cond_acc_true": summary["cond_acc_true"],
-            "positions": summary["count"],
-            "tokens": scalars["tokens"],
-            "tokens_per_s": scalars["tokens"] / wall,
-            "tokens_per_s_per_rank": scalars["tokens"] / wall / info.world_size,
-            "step_time_s": step_time,
-            "time_split": {k: scalars[k] / info.world_size / steps for k in TIMER_KEYS},
-            "peak_mem_gb": float(slots[0].max()),
-            "peak_mem_gb_per_rank": slots[0].tolist(),
-            "mem_kind": mem_kind,
-            "param_checksums": slots[1].tolist() if info.enabled and not self.run_options.sharded else None,
-            "eta_s": remaining * step_time,
-            "world_size": info.world_size,
-        }
-        for k, v in enumerate(summary["full_acc"]):
-            record[f"full_acc_{k}"] = v
-            record[f"cond_acc_{k}"] = summary["cond_acc"][k]
+        n = acc.stats.numel() + len(SCALAR_SUM_KEYS)
+        stats, sums = acc.unflatten(flat[1 : 1 + n])
+        slots = flat[1 + n :].view(2, info.world_size)
+        record = train_record(
+            summarize(stats), dict(zip(SCALAR_SUM_KEYS, sums.tolist(), strict=True)), slots[0].tolist(),
+            slots[1].tolist() if checksummed else None, step=state.step, epoch=state.epoch,
+            max_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], wall_s=time.perf_counter() - window_start,
+            world_size=info.world_size, mem_kind=mem_kind,
+        )  # fmt: skip
         print(console_line(record), flush=True)
         self.files.append_metrics(record)
-        self.files.update_status(
-            step=state.step, epoch=state.epoch, loss=record["loss"], full_acc_0=record["full_acc_0"],
-            tokens_per_s=record["tokens_per_s"], tokens_per_s_per_rank=record["tokens_per_s_per_rank"],
-            step_time_s=step_time, time_split=record["time_split"], peak_mem_gb=record["peak_mem_gb"],
-            mem_kind=mem_kind, eta_s=record["eta_s"],
-            watchdog_bound_s=round(self.watchdog.bound(), 1) if self.watchdog.enabled else None,
-        )  # fmt: skip
+        bound = round(self.watchdog.bound(), 1) if self.watchdog.enabled else None
+        self.files.update_status(**status_fields(record), watchdog_bound_s=bound)
         return stop_now
 
 

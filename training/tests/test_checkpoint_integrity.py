@@ -198,7 +198,7 @@ def test_full_disk_in_the_middle_of_a_save_leaves_the_previous_checkpoints(tmp_p
     with pytest.raises(OSError) as info:
         _save(tmp_path, 4)
     assert ckpt.is_disk_full(info.value)
-    # The trainer removes the temporary directory (train.Trainer._agree_on_checkpoint); nothing else changed.
+    # The trainer removes the temporary directory (checkpointer.Checkpointer._agree); nothing else changed.
     shutil.rmtree(ckpt.tmp_dir_for(tmp_path, 4))
     assert [s for s, _ in ckpt.list_valid(tmp_path)] == [2]
     assert ckpt.verify(ckpt.newest_valid(tmp_path)) is None

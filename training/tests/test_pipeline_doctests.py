@@ -10,6 +10,7 @@ MODULES = [
     "eagle3.data",
     "eagle3.packing",
     "eagle3.checkpoint",
+    "eagle3.checkpointer",
     "eagle3.metrics",
     "eagle3.options",
     "eagle3.plan.model",

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 from eagle3 import checkpoint as ckpt
+from eagle3.checkpointer import replan_on_resume
 from eagle3.errors import EXIT_CRASH
-from eagle3.train import replan_on_resume
 from pipeline_support import (
     TRAINING_ROOT,
     read_samples,
