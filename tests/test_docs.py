@@ -164,3 +164,18 @@ def test_the_anchor_rule_catches_a_renamed_heading(tmp_path):
     assert anchors(page) == {"page", "memory-and-flex-attention", "page-1"}
     assert broken(page, "memory-and-flex-attention") is None
     assert broken(page, "not-a-heading") is not None and broken(tmp_path / "gone.md", None) is not None
+
+
+# A repository path of a source file, as docs/ cite them: `training/eagle3/plan/model.py`, `library/gpu_cleanup.py`.
+SOURCE_PATH = re.compile(r"`((?:training|library|module_utils|roles|plugins|bin|bench|scripts|tests)/[\w./-]+\.\w+)`")
+
+
+def test_every_source_file_the_docs_cite_exists():
+    """A file moved or split (plan.py became plan/) must not leave docs/ pointing at nothing."""
+    missing = [
+        f"{doc.name}: {path}"
+        for doc in sorted(DOCS.glob("*.md"))
+        for path in SOURCE_PATH.findall(doc.read_text())
+        if "*" not in path and not (ROOT / path).exists()
+    ]
+    assert not missing, "docs cite files that do not exist: " + "; ".join(missing)

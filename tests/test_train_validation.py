@@ -349,7 +349,7 @@ def test_zero_budget_means_the_smallest_gpu(planner_target):
 
 
 def test_planner_json_has_what_the_verdict_reads(planner_target):
-    """The fields seq_len_refusal reads come from `eagle3 plan --json --lengths N` (eagle3/plan.py)."""
+    """The fields seq_len_refusal reads come from `eagle3 plan --json --lengths N` (eagle3/plan/cli.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
     cfg = planner_target / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"max_seq_len": 128, "data_dir": str(planner_target / "data"), "num_threads": 1,
