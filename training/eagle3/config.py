@@ -122,6 +122,10 @@ class TrainConfig:
         0.1, "the last fraction of samples held out for validation", bound=FRACTION,
         fix="for example 0.1 (the last 10 %)",
     )  # fmt: skip
+    val_max_batches: int = option(
+        0, "validation rows per rank at most (the first of the fixed validation plan); 0: all",
+        bound=NON_NEGATIVE,
+    )  # fmt: skip
     checkpoint_every: int = option(
         1000, "steps between checkpoints (one is also written at the end and on a stop)", bound=AT_LEAST_1
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3.acceptance import acceptance_length
 from eagle3.config import atomic_write_json
 from eagle3.model import STAT_KEYS  # the sum/count pairs ttt_forward returns: one definition
 
@@ -210,21 +211,53 @@ def status_fields(record: dict) -> dict:
     return {key: record[key] for key in STATUS_FROM_TRAIN}
 
 
-def val_record(step: int, summary: dict) -> dict:
-    """One validation result (status.json `val`, and metrics.jsonl with `kind: val`)."""
-    return {"step": step, **rate_fields(summary), "positions": summary["count"][0]}
+def val_record(
+    step: int, summary: dict, batches: int | None = None, batches_total: int | None = None
+) -> dict:
+    """One validation result (status.json `val`, and metrics.jsonl with `kind: val`).
+
+    `acceptance_length` is the simulated tokens per draft-and-verify round of chain drafting over the
+    `ttt_steps` steps, from `cond_acc_true` (eagle3.acceptance); `acceptance_length_draft_vocab` the same from
+    `cond_acc` (an upper bound). `batches` rows per rank were run out of `batches_total` (val_max_batches).
+
+    >>> t = torch.zeros(8, 2, dtype=torch.float64)
+    >>> for key, v in {"count": [10., 8.], "loss_sum": [5., 8.], "cond_acc_sum": [8., 4.], "cond_acc_count": [10., 8.],
+    ...                "cond_acc_true_sum": [5., 2.], "cond_acc_true_count": [10., 5.]}.items():
+    ...     t[STAT_KEYS.index(key)] = torch.tensor(v)
+    >>> r = val_record(40, summarize(t), batches=2, batches_total=5)
+    >>> r["acceptance_length"], r["acceptance_length_draft_vocab"], r["batches"], r["positions"]
+    (1.7, 2.2, 2, 10.0)
+    """
+    return {
+        "step": step,
+        **rate_fields(summary),
+        "acceptance_length": acceptance_length(summary["cond_acc_true"]),
+        "acceptance_length_draft_vocab": acceptance_length(summary["cond_acc"]),
+        "positions": summary["count"][0],
+        "batches": batches,
+        "batches_total": batches_total,
+    }
 
 
 def val_line(val: dict) -> str:
     """The log line of a validation result.
 
-    >>> val_line({"step": 40, "loss": 1.25, "full_acc": [0.5, 0.25, None], "full_acc_true": [0.4], "positions": 96.0})
-    'val step 40: loss 1.2500 full_acc 0.500 0.250 (true 0.400) over 96 positions'
+    >>> val_line({"step": 40, "loss": 1.25, "full_acc": [0.5, 0.25, None], "full_acc_true": [0.4], "positions": 96.0,
+    ...           "acceptance_length": 1.3, "acceptance_length_draft_vocab": 1.625, "batches": 3, "batches_total": 9})
+    'val step 40: loss 1.2500 full_acc 0.500 0.250 (true 0.400) acceptance length 1.30 (draft vocab 1.62) over 96 positions (3 of 9 rows)'
     """
+    acc = ""
+    if val.get("acceptance_length") is not None:
+        acc = f" acceptance length {val['acceptance_length']:.2f}"
+        if val.get("acceptance_length_draft_vocab") is not None:
+            acc += f" (draft vocab {val['acceptance_length_draft_vocab']:.2f})"
+    rows = ""
+    if val.get("batches") is not None and val.get("batches_total") not in (None, val["batches"]):
+        rows = f" ({val['batches']} of {val['batches_total']} rows)"
     return (
         f"val step {val['step']}: loss {val['loss']:.4f} full_acc "
         + " ".join(f"{v:.3f}" for v in val["full_acc"] if v is not None)
-        + f" (true {val['full_acc_true'][0]:.3f}) over {int(val['positions'])} positions"
+        + f" (true {val['full_acc_true'][0]:.3f}){acc} over {int(val['positions'])} positions{rows}"
     )
 
 
@@ -258,6 +291,8 @@ class RunFiles:
             "last_checkpoint_time": None,  # when it was completed (unix seconds)
             "watchdog_bound_s": None,  # the hang watchdog's current bound for one step (log steps)
             "val": None,
+            "acceptance_length": None,  # the last validation's simulated acceptance length (eagle3.acceptance)
+            "acceptance_length_step": None,  # the step of that validation
             "error": None,
             "pid": os.getpid(),
             "updated": time.time(),

@@ -398,9 +398,12 @@ class Trainer:
             self.val_ids, self.reader.index.lengths, max_seq_len=self.cfg.max_seq_len,
             world_size=self.info.world_size, seed=self.cfg.seed, epoch=0, shuffle=False,
         )  # fmt: skip
+        # val_max_batches: the first rows of the fixed plan, the same on every rank (FSDP runs them in step).
+        cap = self.cfg.val_max_batches
+        rows = plan.steps[:cap] if cap > 0 else plan.steps
         acc = StatAccumulator(self.cfg.ttt_steps)
         aborted = False
-        for assignment in plan.steps:
+        for assignment in rows:
             # A stop must not wait for a long validation; the result is then dropped. Under FSDP every
             # forward is a collective, so the ranks agree on stopping row by row and run filler rows.
             stop = (
@@ -433,7 +436,7 @@ class Trainer:
         if summary["loss"][0] is None:
             self.log(f"val step {step}: no supervised positions in the validation split")
             return None
-        val = val_record(step, summary)
+        val = val_record(step, summary, batches=len(rows), batches_total=len(plan.steps))
         self.log(val_line(val))
         return val
 
@@ -561,7 +564,9 @@ class Trainer:
     def note_validation(self, val: dict | None, state: ckpt.TrainerState) -> bool:
         if val is None:
             return False
-        self.files.update_status(val=val)
+        self.files.update_status(
+            val=val, acceptance_length=val["acceptance_length"], acceptance_length_step=val["step"]
+        )
         if self.info.is_main:
             self.files.append_metrics({"kind": "val", **val})
         loss = val["loss"]

@@ -1,0 +1,59 @@
+"""Simulated acceptance length: the tokens one draft-and-verify round of chain drafting is expected to yield.
+
+Chain drafting proposes K tokens d_0 .. d_{K-1}, one per TTT step; the verifier (greedy) keeps the longest
+prefix that matches its own argmax and then adds one token of its own (the correction at the first mismatch,
+or the bonus token after the last draft). With c_j the conditional accuracy of TTT step j (`cond_acc_j`: the
+draft argmax at step j is right, among positions whose steps 0..j-1 were all right), the probability that the
+first k+1 drafted tokens are all accepted is
+
+    p_k = c_0 * c_1 * ... * c_k
+
+and the expected number of tokens per round, counting the verifier's own token, is
+
+    tau = 1 + p_0 + p_1 + ... + p_{K-1}
+
+so a drafter that is never right gives 1.0 and a perfect one K + 1. This is the "average acceptance length"
+the EAGLE papers report (tokens per verifier forward), and Leviathan et al. (2023) "Fast Inference from
+Transformers via Speculative Decoding" eq. (1) with per-position rather than one shared acceptance rate.
+
+It is an estimate: TTT feeds the teacher-forced data token to step k, which is the token an accepted draft
+would have produced only where the data is the target's own greedy output (regenerated data); elsewhere it
+is the step's accuracy given the data's prefix. The `*_true` accuracies (against the target's argmax over its
+whole vocabulary, a token outside the draft vocab being a miss) are what a server sees; the draft-vocab ones
+(speculators' definition) give an upper bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def acceptance_length(cond_acc: Sequence[float | None], depth: int | None = None) -> float | None:
+    """Expected tokens per round of chain drafting, 1 + sum_k prod_{j<=k} cond_acc[j], over `depth` steps
+    (all of them when None).
+
+    A step without any supervised position (None: its conditional accuracy is unknown) ends the sum there: the
+    result then counts only the steps that were measured, a lower bound. A step whose predecessors were never
+    all right is None too, but the product is already 0 there, so nothing is lost. None when step 0 itself has
+    no measurement.
+
+    Worked example, by hand: conditional accuracies 0.8, 0.5, 0.25 give p = 0.8, 0.8*0.5 = 0.4,
+    0.4*0.25 = 0.1, so tau = 1 + 0.8 + 0.4 + 0.1 = 2.3; drafting only 2 tokens gives 1 + 0.8 + 0.4 = 2.2.
+
+    >>> acceptance_length([0.8, 0.5, 0.25])
+    2.3
+    >>> acceptance_length([0.8, 0.5, 0.25], depth=2)
+    2.2
+    >>> acceptance_length([0.0, None, None]), acceptance_length([1.0, 1.0]), acceptance_length([None])
+    (1.0, 3.0, None)
+    """
+    values = list(cond_acc if depth is None else cond_acc[:depth])
+    if not values or values[0] is None:
+        return None
+    tau, prefix = 1.0, 1.0
+    for c in values:
+        if c is None or prefix == 0.0:
+            break
+        prefix *= c
+        tau += prefix
+    return round(tau, 12)  # 2.3, not 2.3000000000000003: the records are read by people
