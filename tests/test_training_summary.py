@@ -120,3 +120,13 @@ def test_a_stop_that_had_to_kill_says_so():
             "checkpoint (step 50) are lost"}  # fmt: skip
     lines = summary.training_summary(report("failed", reason="signal: killed by SIGKILL", last_stop=stop), [])
     assert f"last stop: {stop['message']}" in lines
+
+
+def test_the_last_validation_acceptance_length_is_shown_running_or_not():
+    status = {**RUNNING, "acceptance_length": 2.4125, "acceptance_length_step": 500, "val": {"step": 500}}
+    for state in ("running", "stopped", "failed"):
+        lines = summary.training_summary(report(state, status=status), [], now=1000.0)
+        assert "acceptance length 2.41 (val, step 500)" in lines, (state, lines)
+    # Before the first validation (or from a trainer that did not write it) there is no such line.
+    lines = summary.training_summary(report("running", status={**RUNNING, "val": None}), [], now=1000.0)
+    assert not any("acceptance length" in line for line in lines)

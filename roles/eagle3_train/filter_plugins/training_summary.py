@@ -10,8 +10,8 @@ short_description: The lines a person watching an EAGLE-3 training run wants, fr
 description:
   - Turns the result of the C(train_report) module and the C(gpus) fact of C(gpu_facts) into short lines; the run's
     state and unit, the failure reason, the last stop that had to kill workers, the step and last checkpoint, the
-    step time split, throughput, memory, loss and ETA, GPU holders outside the unit, and one line per GPU
-    (flagging a starved GPU).
+    step time split, throughput, memory, loss and ETA, the last validation's simulated acceptance length, GPU
+    holders outside the unit, and one line per GPU (flagging a starved GPU).
   - Rates and ETA are shown only while the run is running (a stopped or failed run has none; a stalled one shows
     its last rates as such).
 author: eagle3-pve contributors
@@ -82,6 +82,22 @@ def _holder(h: dict) -> str:
     return f"pid {h.get('pid')} {h.get('name')} (user {h.get('user', '?')}): {h.get('cmdline', '')[:120]} holds {','.join(h.get('paths', []))}"
 
 
+def _acceptance(status: dict) -> str:
+    """The last validation's simulated acceptance length (tokens per draft-and-verify round), or ''.
+
+    >>> _acceptance({"acceptance_length": 2.4125, "acceptance_length_step": 500})
+    'acceptance length 2.41 (val, step 500)'
+    >>> _acceptance({"val": {"step": 40, "acceptance_length": 1.5}}), _acceptance({"val": None})
+    ('acceptance length 1.50 (val, step 40)', '')
+    """
+    val = status.get("val") or {}
+    value = status.get("acceptance_length", val.get("acceptance_length"))
+    if value is None:
+        return ""
+    step = status.get("acceptance_length_step", val.get("step"))
+    return f"acceptance length {_f(value, '.2f')} (val, step {step if step is not None else '?'})"
+
+
 def training_summary(
     report: dict | None, gpus: list | None, unit_name: str = "eagle3-train.service", now=None
 ):
@@ -145,6 +161,9 @@ def training_summary(
             lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
     elif s.get("loss") is not None:
         lines.append(f"last loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}")
+    accept = _acceptance(s)
+    if accept:
+        lines.append(accept)
     for h in r.get("foreign_holders") or []:
         lines.append(f"GPU held outside the unit: {_holder(h)}")
     for h in r.get("protected_holders") or []:
