@@ -304,6 +304,7 @@ from ansible.module_utils.pve import (
     pve_major,
     render_config,
     split_volume,
+    tls_warning,
     wait_task,
 )
 
@@ -719,6 +720,9 @@ def main():
         if module.params["devices"] is not None:
             parse_devices(module.params["devices"])
         identity = identity_of(module.params)
+        warning = tls_warning(module.params)
+        if warning:
+            module.warn(warning)
         api, version = connect(module.params)
         result = CtRun(module, api, version, identity).execute()
     except PveError as exc:

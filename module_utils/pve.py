@@ -262,7 +262,7 @@ def connect(params):
             api = ProxmoxAPI(backend="local", timeout=timeout)
             bound_local_backend(api, timeout, params.get("task_timeout") or timeout)
         else:
-            verify = params.get("ca_path") or bool(params.get("validate_certs", True))
+            verify = tls_verify(params)
             kwargs = dict(port=params.get("api_port") or DEFAULT_PORT, verify_ssl=verify, timeout=timeout)
             if mode == "password":
                 user = params.get("api_user") or ROOT_IDENTITY
@@ -308,6 +308,43 @@ def connect(params):
     except (OSError, ValueError) as exc:  # the local backend: pvesh missing or not JSON
         raise PveError(f"cannot use {where}: {exc}") from None
     return api, str((version or {}).get("version", ""))
+
+
+def tls_verify(params):
+    """requests' verify= for the parameters, as proxmoxer passes verify_ssl on: the CA file when ca_path is given
+    (it is only given to be used), else validate_certs (True: the system's CA store).
+
+    >>> tls_verify({'ca_path': '/ca.pem', 'validate_certs': False}), tls_verify({'validate_certs': False})
+    ('/ca.pem', False)
+    >>> tls_verify({'validate_certs': None, 'ca_path': None})
+    True
+    """
+    if params.get("ca_path"):
+        return params["ca_path"]
+    return params.get("validate_certs") is not False
+
+
+def tls_warning(params):
+    """A warning when the https API is not verified, or validate_certs=false is overruled by ca_path; else None.
+
+    >>> tls_warning({'api_backend': 'https', 'validate_certs': False, 'api_host': 'pve1'}).startswith('TLS')
+    True
+    >>> tls_warning({'api_backend': 'https', 'validate_certs': True, 'api_host': 'pve1'}) is None
+    True
+    """
+    if params.get("api_backend") == "local":
+        return None
+    if params.get("ca_path") and params.get("validate_certs") is False:
+        return (
+            "validate_certs=false is ignored: ca_path is given, so the API certificate is verified against "
+            f"{params['ca_path']}"
+        )
+    if tls_verify(params) is False:
+        return (
+            f"TLS certificate verification is off for {params.get('api_host')} (validate_certs=false): anyone on the "
+            "path can read the credentials. Set ca_path to the cluster CA (/etc/pve/pve-root-ca.pem on a node)"
+        )
+    return None
 
 
 def first_factor(requests, where, user, password, verify, timeout):
