@@ -167,7 +167,9 @@ def test_the_anchor_rule_catches_a_renamed_heading(tmp_path):
 
 
 # A repository path of a source file, as docs/ cite them: `training/eagle3/plan/model.py`, `library/gpu_cleanup.py`.
-SOURCE_PATH = re.compile(r"`((?:training|library|module_utils|roles|plugins|bin|bench|scripts|tests)/[\w./-]+\.\w+)`")
+SOURCE_PATH = re.compile(
+    r"`((?:training|library|module_utils|roles|plugins|bin|bench|scripts|tests)/[\w./-]+\.\w+)`"
+)
 
 
 def test_every_source_file_the_docs_cite_exists():
