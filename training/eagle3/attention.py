@@ -23,6 +23,11 @@ Two implementations with the same result:
   plus the diagonal keys. It saves q, k, v, the output and the log-sum-exp for backward and
   recomputes the scores block by block, so memory is O(S * block), never S x S.
 
+Grouped-query attention: q has `heads` heads, every key/value `kv_heads` (a divisor); query head h
+reads key/value head h // (heads / kv_heads), as HF's repeat_kv. flex gets `enable_gqa=True`; the
+exact path expands each block's key/value span only (`_expand_kv`) and sums the key/value gradients
+back over the group (`_fold_kv`), so no full-length copy of the cache is ever made.
+
 Documents must be contiguous runs of one id (packing guarantees it); `validate_document_ids` checks.
 """
 
@@ -121,6 +126,24 @@ def _acc_zeros(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=torch.promote_types(t.dtype, torch.float32), device=t.device)
 
 
+def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[kv_heads, ...] -> [kv_heads * groups, ...], each key/value head repeated for its group of query heads.
+
+    >>> _expand_kv(torch.tensor([[1.0], [2.0]]), 2).flatten().tolist()
+    [1.0, 1.0, 2.0, 2.0]
+    """
+    return t if groups == 1 else t.repeat_interleave(groups, dim=0)
+
+
+def _fold_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_expand_kv`: [kv_heads * groups, ...] summed back to [kv_heads, ...].
+
+    >>> _fold_kv(torch.tensor([[1.0], [2.0], [3.0], [4.0]]), 2).flatten().tolist()
+    [3.0, 7.0]
+    """
+    return t if groups == 1 else t.view(t.shape[0] // groups, groups, *t.shape[1:]).sum(1)
+
+
 def _block_scores(q_scaled, k0, doc_start, block):
     """Masked step-0 scores of one query block against its key span, fp32 [heads, B, R] (q pre-scaled).
 
@@ -128,7 +151,10 @@ def _block_scores(q_scaled, k0, doc_start, block):
     block's last document start (document boundaries); everything else is visible.
     """
     a, b, key_start, last_start = block
-    scores = torch.matmul(q_scaled, _acc(k0[:, key_start:b]).transpose(1, 2))  # [nh, B, R]
+    groups = q_scaled.shape[0] // k0.shape[0]
+    scores = torch.matmul(
+        q_scaled, _expand_kv(_acc(k0[:, key_start:b]), groups).transpose(1, 2)
+    )  # [nh, B, R]
     n_q = b - a
     idx = torch.arange(n_q, device=scores.device)
     future = idx[None, :] > idx[:, None]  # [B, B] (bool triu_ is ~1000x slower on CPU here)
@@ -144,13 +170,17 @@ def _diag_scores(q_scaled, diag_keys, a, b):
     """Scores of each query against the same-slot key of each later step: [heads, B, m]."""
     if not diag_keys:
         return q_scaled.new_empty(q_scaled.shape[0], q_scaled.shape[1], 0)
-    return torch.stack([(q_scaled * _acc(kd[:, a:b])).sum(-1) for kd in diag_keys], dim=-1)
+    groups = q_scaled.shape[0] // diag_keys[0].shape[0]
+    return torch.stack(
+        [(q_scaled * _expand_kv(_acc(kd[:, a:b]), groups)).sum(-1) for kd in diag_keys], dim=-1
+    )
 
 
 class BlockwiseTTTAttention(torch.autograd.Function):
     """Exact TTT attention, blockwise, with a recomputing backward (flash-attention style, on any device).
 
-    Inputs: `q, k0, v0` [heads, S, head_dim] (step 0), then `k1, v1, ..., km, vm` for steps 1..m.
+    Inputs: `q` [heads, S, head_dim], `k0, v0` [kv_heads, S, head_dim] (step 0), then `k1, v1, ..., km, vm`
+    for steps 1..m; kv_heads divides heads (grouped-query attention).
     """
 
     @staticmethod
@@ -165,6 +195,7 @@ class BlockwiseTTTAttention(torch.autograd.Function):
     @staticmethod
     def _forward(block_size, doc_start, q, k0, v0, diag):
         scale = 1.0 / math.sqrt(q.shape[-1])
+        groups = q.shape[0] // k0.shape[0]
         diag_k, diag_v = diag[0::2], diag[1::2]
         out = torch.empty_like(q)  # [nh, S, hd]
         lse = _acc_zeros(q[..., 0])  # [nh, S]
@@ -179,9 +210,9 @@ class BlockwiseTTTAttention(torch.autograd.Function):
             p = p.sub_(row_max[..., None]).exp_()  # [nh, B, R], in place: one block-sized buffer
             p_diag = torch.exp(d_scores - row_max[..., None])  # [nh, B, m]
             denom = p.sum(-1) + p_diag.sum(-1)  # [nh, B]
-            o = torch.matmul(p, _acc(v0[:, key_start:b]))  # [nh, B, hd]
+            o = torch.matmul(p, _expand_kv(_acc(v0[:, key_start:b]), groups))  # [nh, B, hd]
             for i, vd in enumerate(diag_v):
-                o += p_diag[..., i, None] * _acc(vd[:, a:b])
+                o += p_diag[..., i, None] * _expand_kv(_acc(vd[:, a:b]), groups)
             out[:, a:b] = (o / denom[..., None]).to(q.dtype)
             lse[:, a:b] = row_max + torch.log(denom)
         return out, lse
@@ -199,6 +230,7 @@ class BlockwiseTTTAttention(torch.autograd.Function):
     def _backward(block_size, grad_out, doc_start, q, k0, v0, out, lse, diag):
         diag_k, diag_v = diag[0::2], diag[1::2]
         scale = 1.0 / math.sqrt(q.shape[-1])
+        groups = q.shape[0] // k0.shape[0]
         dq = _acc_zeros(q)
         dk0 = _acc_zeros(k0)
         dv0 = _acc_zeros(v0)
@@ -206,23 +238,25 @@ class BlockwiseTTTAttention(torch.autograd.Function):
         for block in _query_blocks(doc_start, block_size):
             a, b, key_start, _ = block
             q_scaled = _acc(q[:, a:b]) * scale  # [nh, B, hd]
-            k_rng = _acc(k0[:, key_start:b])  # [nh, R, hd]
-            v_rng = _acc(v0[:, key_start:b])  # [nh, R, hd]
+            k_rng = _expand_kv(_acc(k0[:, key_start:b]), groups)  # [nh, R, hd]
+            v_rng = _expand_kv(_acc(v0[:, key_start:b]), groups)  # [nh, R, hd]
             blk_lse = lse[:, a:b, None]  # [nh, B, 1]
             p = _block_scores(q_scaled, k0, doc_start, block).sub_(blk_lse).exp_()  # [nh, B, R]
             p_diag = torch.exp(_diag_scores(q_scaled, diag_k, a, b) - blk_lse)  # [nh, B, m]
             g = _acc(grad_out[:, a:b])  # [nh, B, hd]
             delta = (g * _acc(out[:, a:b])).sum(-1, keepdim=True)  # [nh, B, 1]
-            dv0[:, key_start:b] += torch.matmul(p.transpose(1, 2), g)
+            dv0[:, key_start:b] += _fold_kv(torch.matmul(p.transpose(1, 2), g), groups)
             ds = torch.matmul(g, v_rng.transpose(1, 2)).sub_(delta).mul_(p)  # [nh, B, R]
             dq_blk = torch.matmul(ds, k_rng)  # [nh, B, hd] (times scale below)
-            dk0[:, key_start:b] += torch.matmul(ds.transpose(1, 2), q_scaled)
+            dk0[:, key_start:b] += _fold_kv(torch.matmul(ds.transpose(1, 2), q_scaled), groups)
             for i, (kd, vd) in enumerate(zip(diag_k, diag_v, strict=True)):
                 pd = p_diag[..., i, None]  # [nh, B, 1]
-                dsd = pd * ((g * _acc(vd[:, a:b])).sum(-1, keepdim=True) - delta)  # [nh, B, 1]
-                dq_blk += dsd * _acc(kd[:, a:b])
-                d_diag[2 * i][:, a:b] = dsd * q_scaled
-                d_diag[2 * i + 1][:, a:b] = pd * g
+                dsd = pd * (
+                    (g * _expand_kv(_acc(vd[:, a:b]), groups)).sum(-1, keepdim=True) - delta
+                )  # [nh, B, 1]
+                dq_blk += dsd * _expand_kv(_acc(kd[:, a:b]), groups)
+                d_diag[2 * i][:, a:b] = _fold_kv(dsd * q_scaled, groups)
+                d_diag[2 * i + 1][:, a:b] = _fold_kv(pd * g, groups)
             dq[:, a:b] = dq_blk * scale
         grads = [dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype)]
         grads += [d.to(t.dtype) for d, t in zip(d_diag, diag, strict=True)]
@@ -236,7 +270,7 @@ def exact_ttt_attention(
     doc_start: torch.Tensor,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> torch.Tensor:
-    """TTT attention of step len(keys)-1; q and every key/value are [heads, S, head_dim]."""
+    """TTT attention of step len(keys)-1; q [heads, S, head_dim], every key/value [kv_heads, S, head_dim]."""
     diag = [t for kv in zip(keys[1:], values[1:], strict=True) for t in kv]
     return BlockwiseTTTAttention.apply(block_size, doc_start, q, keys[0], values[0], *diag)
 
@@ -326,30 +360,33 @@ class TTTAttention:
         return self._block_masks[step]
 
     def __call__(self, q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
-        """q and each key/value: [heads, S, head_dim]; returns [heads, S, head_dim]."""
+        """q [heads, S, head_dim], each key/value [kv_heads, S, head_dim]; returns [heads, S, head_dim]."""
         if self.kind == "exact":
             return exact_ttt_attention(q, keys, values, self.doc_start, self.block_size)
         step = len(keys) - 1
-        k = torch.cat(list(keys), dim=1)[None]  # [1, nh, S*(step+1), hd]
-        v = torch.cat(list(values), dim=1)[None]  # [1, nh, S*(step+1), hd]
+        k = torch.cat(list(keys), dim=1)[None]  # [1, nkv, S*(step+1), hd]
+        v = torch.cat(list(values), dim=1)[None]  # [1, nkv, S*(step+1), hd]
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[0] else {}
         with warnings.catch_warnings():
             # Eager flex on CPU (parity tests only) warns that it is unfused; that is expected there.
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            out = _flex_fn(self.compiled)(q[None], k, v, block_mask=self.block_mask(step))
+            out = _flex_fn(self.compiled)(q[None], k, v, block_mask=self.block_mask(step), **gqa)
         return out[0]  # [nh, S, hd]
 
 
 def reference_ttt_attention(
     q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], document_ids: torch.Tensor
 ) -> torch.Tensor:
-    """Dense eager reference for tests on tiny rows: builds the full [S, S*(k+1)] mask from `ttt_mask_mod`."""
+    """Dense eager reference for tests on tiny rows: builds the full [S, S*(k+1)] mask from `ttt_mask_mod`;
+    grouped key/value heads are repeated to the query heads up front (HF repeat_kv)."""
     seq_len = q.shape[1]
     kv_len = seq_len * len(keys)
     mask = ttt_mask_mod(document_ids)(
         None, None, torch.arange(seq_len)[:, None], torch.arange(kv_len)[None, :]
     )  # [S, S*(k+1)]
-    k = _acc(torch.cat(list(keys), dim=1))  # [nh, KV, hd]
-    v = _acc(torch.cat(list(values), dim=1))
+    groups = q.shape[0] // keys[0].shape[0]
+    k = _expand_kv(_acc(torch.cat(list(keys), dim=1)), groups)  # [nh, KV, hd]
+    v = _expand_kv(_acc(torch.cat(list(values), dim=1)), groups)
     scores = torch.matmul(_acc(q), k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # [nh, S, KV]
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.matmul(probs, v).to(q.dtype)  # [nh, S, hd]

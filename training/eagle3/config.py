@@ -185,6 +185,11 @@ class TrainConfig:
     head_dim: int = option(0, "dimension per head; 0: derived", bound=NON_NEGATIVE)
     intermediate_size: int = option(0, "MLP width; 0: derived from the hidden size", bound=NON_NEGATIVE)
     norm_before_fc: bool = option(False, "RMS-normalize the three aux hidden states before the fc projection")
+    num_kv_heads: int = option(
+        0,
+        "key/value heads (grouped-query attention, a divisor of num_heads); 0: num_heads",
+        bound=NON_NEGATIVE,
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -88,7 +88,7 @@ def speculators_config(
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
             "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim,
             "num_hidden_layers": 1,
             "hidden_act": "silu",
@@ -208,15 +208,15 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
             rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
             rope_theta=layer.get("rope_theta", 10000.0),
             norm_before_fc=bool(config.get("norm_before_fc", False)),
+            # HF LlamaConfig: an absent or null num_key_value_heads means num_attention_heads (multi-head)
+            num_kv_heads=layer.get("num_key_value_heads") or heads,
         )
     except KeyError as e:
         raise ConfigError(f"{source}: required key {e.args[0]!r} is missing; re-export the drafter") from e
-    if layer.get("num_key_value_heads", heads) != heads:
-        raise ConfigError(
-            f"{source}: num_key_value_heads={layer['num_key_value_heads']} != num_attention_heads={heads}; "
-            "grouped-query attention is not implemented by this drafter"
-        )
-    return DrafterConfig.from_dict(values)
+    try:
+        return DrafterConfig.from_dict(values)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
 
 
 def load_exported(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:

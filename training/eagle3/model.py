@@ -6,7 +6,8 @@ Parameter names follow speculators' Eagle3 so vLLM can serve the export:
     input_norm              optional RMSNorm over the 3 aux states (norm_before_fc)   [3H]
     fc                      Linear 3H -> H over the three target aux hidden states
     layers.0.input_layernorm / hidden_norm       RMSNorm of the embedding half / hidden half
-    layers.0.self_attn.{q,k,v}_proj  2H -> heads*head_dim;  o_proj heads*head_dim -> H
+    layers.0.self_attn.q_proj  2H -> heads*head_dim;  {k,v}_proj 2H -> kv_heads*head_dim (GQA);
+                            o_proj heads*head_dim -> H
     layers.0.post_attention_layernorm, layers.0.mlp.{gate,up,down}_proj   (Llama SwiGLU)
     norm, lm_head           final RMSNorm, H -> V_draft (initialised from the target head rows t2d)
     verifier_norm, verifier_lm_head   frozen target final norm and head rows t2d: the teacher
@@ -68,8 +69,14 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     norm_before_fc: bool = False
+    # Grouped-query attention: key/value heads, a divisor of num_heads (None: num_heads, plain multi-head).
+    num_kv_heads: int | None = None
     # speculators keeps lm_head frozen at the target's rows (docs/facts.md#eagle-3-drafter counts it as frozen).
     train_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -148,10 +155,17 @@ class DrafterConfig:
             "intermediate_size",
             "draft_vocab_size",
             "target_vocab_size",
+            "num_kv_heads",
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ConfigError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                f"(grouped-query attention); one of {divisors}"
+            )
         if self.head_dim % 2:
             raise ConfigError(
                 f"head_dim={self.head_dim} must be even (rotary embedding pairs); try {self.head_dim + 1}"
@@ -223,9 +237,10 @@ class Eagle3Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         inner = cfg.num_heads * cfg.head_dim
+        kv_inner = cfg.num_kv_heads * cfg.head_dim  # grouped-query attention: fewer key/value heads
         self.q_proj = nn.Linear(2 * cfg.hidden_size, inner, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, inner, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, kv_inner, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, kv_inner, bias=False)
         self.o_proj = nn.Linear(inner, cfg.hidden_size, bias=False)
 
 
@@ -246,6 +261,7 @@ class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = Eagle3MLP(cfg)
@@ -254,18 +270,22 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, hidden, embeds, cos, sin, past_keys, past_values, attention):
-        """One TTT step. Returns the new hidden [S, H] and this step's post-RoPE keys/values [heads, S, hd]."""
+        """One TTT step. Returns the new hidden [S, H] and this step's post-RoPE keys/values [kv_heads, S, hd].
+
+        Keys/values stay at kv_heads (the cache of later steps is that small); the attention expands
+        them to the query heads, query head h reading key/value head h // (heads / kv_heads) (HF repeat_kv).
+        """
         seq_len = hidden.shape[0]
         residual = hidden  # the residual is the raw hidden half (norm_before_residual = False)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [S, 2H]
         x = x.to(self.self_attn.q_proj.weight.dtype)
 
-        def heads(t):
-            return t.view(seq_len, self.num_heads, self.head_dim).transpose(0, 1)  # [nh, S, hd]
+        def heads(t, n):
+            return t.view(seq_len, n, self.head_dim).transpose(0, 1)  # [n, S, hd]
 
-        q = apply_rope(heads(self.self_attn.q_proj(x)), cos, sin)  # [nh, S, hd]
-        k = apply_rope(heads(self.self_attn.k_proj(x)), cos, sin)  # [nh, S, hd]
-        v = heads(self.self_attn.v_proj(x))  # [nh, S, hd]
+        q = apply_rope(heads(self.self_attn.q_proj(x), self.num_heads), cos, sin)  # [nh, S, hd]
+        k = apply_rope(heads(self.self_attn.k_proj(x), self.num_kv_heads), cos, sin)  # [nkv, S, hd]
+        v = heads(self.self_attn.v_proj(x), self.num_kv_heads)  # [nkv, S, hd]
         attn = attention(q, [*past_keys, k], [*past_values, v])  # [nh, S, hd]
         attn = attn.transpose(0, 1).reshape(seq_len, self.num_heads * self.head_dim)  # [S, nh*hd]
         hidden = residual + self.self_attn.o_proj(attn)  # [S, H]

@@ -132,6 +132,7 @@ def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
         head_dim=cfg.head_dim or None,
         intermediate_size=cfg.intermediate_size or None,
         norm_before_fc=cfg.norm_before_fc,
+        num_kv_heads=cfg.num_kv_heads or None,
     )
 
 

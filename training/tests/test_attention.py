@@ -163,3 +163,51 @@ def test_flex_matches_exact_forward_and_backward_on_cuda(make_model, make_row, t
     assert torch.equal(stats_f["count"], stats_e["count"])
     for name in grads_e:
         torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def _gqa_qkv(
+    step: int, seq_len: int, heads: int, kv_heads: int, dtype=torch.float64, head_dim: int = 8, seed=0
+):
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(n):
+        return torch.randn(n, seq_len, head_dim, generator=gen, dtype=dtype).requires_grad_()
+
+    return t(heads), [t(kv_heads) for _ in range(step + 1)], [t(kv_heads) for _ in range(step + 1)]
+
+
+@pytest.mark.parametrize("step", [0, 2])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_kv_heads_match_the_reference_with_repeated_heads(step, kv_heads):
+    # Grouped-query attention: 4 query heads over kv_heads key/value heads. The reference gets the key/value heads
+    # repeated explicitly (query head h reads kv head h // groups, HF repeat_kv), so autograd sums their gradients.
+    q, keys, values = _gqa_qkv(step, DOCS.shape[0], 4, kv_heads)
+    groups = 4 // kv_heads
+    ref = reference_ttt_attention(
+        q,
+        [k.repeat_interleave(groups, 0) for k in keys],
+        [v.repeat_interleave(groups, 0) for v in values],
+        DOCS,
+    )
+    out = exact_ttt_attention(q, keys, values, document_starts(DOCS), 7)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(ref)
+    inputs = [q, *keys, *values]
+    ref_grads = torch.autograd.grad((ref * grad).sum(), inputs)
+    out_grads = torch.autograd.grad((out * grad).sum(), inputs)
+    for a, b in zip(out_grads, ref_grads, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # flex (forward only on CPU) expands the heads itself (enable_gqa)
+        flex = TTTAttention(DOCS, "flex")(q.float(), [k.float() for k in keys], [v.float() for v in values])
+    torch.testing.assert_close(flex, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_kv_backward_passes_gradcheck():
+    q, keys, values = _gqa_qkv(1, DOCS.shape[0], 4, 2, head_dim=4)
+    starts = document_starts(DOCS)
+
+    def fn(q, *kv):
+        return exact_ttt_attention(q, kv[:2], kv[2:], starts, 4)
+
+    assert torch.autograd.gradcheck(fn, (q, *keys, *values))

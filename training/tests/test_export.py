@@ -113,3 +113,22 @@ def test_loading_refuses_what_this_drafter_cannot_run(tmp_path, make_model):
         load_exported(tmp_path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_exported(tmp_path / "nowhere")
+
+
+def test_grouped_query_drafter_round_trips_with_its_kv_heads(tmp_path, make_model, make_row, tiny_config):
+    cfg = tiny_config(num_kv_heads=2)
+    model = _trained_a_little(make_model, make_row, cfg)
+    export_speculators(model, tmp_path / "out", dtype=torch.float32, speculative_tokens=3)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    assert (layer["num_attention_heads"], layer["num_key_value_heads"]) == (4, 2)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.self_attn.k_proj.weight").shape == (2 * 16, 2 * 64)
+    loaded = load_exported(tmp_path / "out")
+    assert loaded.cfg.num_kv_heads == 2
+    batch = make_row(cfg, [40, 23], seq_len=64)
+    torch.testing.assert_close(ttt_logits(loaded, batch, 3), ttt_logits(model, batch, 3), rtol=0, atol=0)
+    layer["num_key_value_heads"] = 3  # not a divisor of 4 query heads
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"config\.json: num_kv_heads=3 must divide num_heads=4"):
+        load_exported(tmp_path / "out")

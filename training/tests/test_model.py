@@ -111,6 +111,8 @@ def test_target_weights_of_another_shape_are_refused(random_target, tiny_config)
         ({"aux_layer_ids": (1, 1, 2)}, r"aux_layer_ids=\(1, 1, 2\) must be 3 distinct"),
         ({"aux_layer_ids": (1, 2)}, "aux_layer_ids=.* must be 3 distinct"),
         ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be positive"),
+        ({"num_kv_heads": 3}, r"num_kv_heads=3 must divide num_heads=4 .*\[1, 2, 4\]"),
+        ({"num_kv_heads": 0}, "num_kv_heads=0 must be a positive integer"),
     ],
 )
 def test_bad_config_names_key_value_and_expectation(tiny_config, overrides, message):
@@ -146,3 +148,27 @@ def test_bf16_frozen_weights_stay_close_to_fp32(make_model, make_row, tiny_confi
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and model.fc.weight.dtype == torch.float32
     assert abs(losses[1] - losses[0]) / losses[0] < 1e-4
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.9999
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("attention", ["exact", "flex"])
+def test_grouped_query_drafter_equals_multi_head_drafter_with_repeated_kv_heads(
+    make_model, make_row, tiny_config, kv_heads, attention
+):
+    """A GQA drafter (4 query heads, kv_heads key/value heads) has the logits of the multi-head drafter whose
+    k/v projections repeat each key/value head's rows for its group of query heads (HF repeat_kv)."""
+    from eagle3.model import ttt_logits
+
+    gqa = make_model(tiny_config(num_kv_heads=kv_heads))
+    attn = gqa.layers[0].self_attn
+    assert attn.k_proj.weight.shape == attn.v_proj.weight.shape == (kv_heads * 16, 128)
+    reference = make_model(tiny_config())
+    state = gqa.state_dict()
+    for name in ("k_proj", "v_proj"):
+        w = state[f"layers.0.self_attn.{name}.weight"].view(kv_heads, 16, 128)
+        state[f"layers.0.self_attn.{name}.weight"] = w.repeat_interleave(4 // kv_heads, 0).reshape(64, 128)
+    reference.load_state_dict(state)
+    batch = make_row(tiny_config(), [40, 30], seq_len=80)
+    torch.testing.assert_close(
+        ttt_logits(gqa, batch, 3, attention), ttt_logits(reference, batch, 3, attention), rtol=1e-5, atol=1e-5
+    )

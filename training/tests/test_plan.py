@@ -26,6 +26,8 @@ SHAPES = {
     "h64": P.Shape(64, 4, 16, 192, 512, 1024),
     "h128": P.Shape(128, 4, 32, 320, 1024, 2048),
     "h96": P.Shape(96, 6, 16, 256, 768, 1536),
+    # grouped-query attention: 8 query heads over 2 key/value heads (K/V activations and k/v_proj 4x smaller)
+    "h128-gqa": P.Shape(128, 8, 16, 320, 1024, 2048, num_kv_heads=2),
     # the Kimi drafter scaled by 1/8: weight-sized gradients and copies weigh as much as activations here
     "kimi-eighth": P.SHAPES["kimi-k2.5-eighth"],
 }
@@ -43,6 +45,9 @@ def measure(shape: P.Shape, seq_len: int, ttt_steps: int, opts: P.Options):
 SMALL = ("h64", "h128", "h96")
 CASES = [(name, s, "fp32", False) for name in SMALL for s in (384, 768)]
 CASES += [(name, s, "bf16", True) for name in SMALL for s in (384, 768)]
+CASES += [
+    (name, 768, dtype, ckpt) for name in ("h128-gqa",) for dtype in ("fp32", "bf16") for ckpt in (False, True)
+]
 CASES += [("h96", 768, "fp32", True), ("h128", 768, "bf16", False), ("kimi-eighth", 512, "bf16", True)]
 
 
@@ -313,3 +318,19 @@ def test_cli_probe_without_cuda_falls_back_to_the_analytic_plan(tmp_path, capsys
     out = json.loads(captured.out)
     assert "probe skipped: no CUDA device" in captured.err
     assert out["source"] == "analytic" and out["probe"] is None and out["max_seq_len"] >= 32768
+
+
+def test_grouped_query_attention_shrinks_kv_activations_and_weights_by_heads_over_kv_heads():
+    gqa = SHAPES["h128-gqa"]
+    mha = dataclasses.replace(gqa, num_kv_heads=None)
+    assert gqa.kv_dim * 4 == mha.kv_dim == gqa.attention_dim
+    saved = P.gqa_savings(gqa, 3, CPU_BF16)
+    # exact attention keeps k and v of each of the 3 steps: 2 * 3 * (128 - 32) * 2 bytes per token
+    assert saved["activation_bytes_per_token"] == 2 * 3 * (128 - 32) * 2
+    assert saved["weights"] == 2 * (2 * 128) * (128 - 32)  # k_proj and v_proj, 2H -> kv_dim
+    assert P.gqa_savings(mha, 3, CPU_BF16) == {"activation_bytes_per_token": 0, "weights": 0}
+    for s in (384, 768):
+        diff = P.activation_bytes(mha, s, 3, CPU_BF16) - P.activation_bytes(gqa, s, 3, CPU_BF16)
+        assert (
+            diff == s * saved["activation_bytes_per_token"] + 2 * saved["weights"]
+        )  # + autocast weight copies

@@ -40,7 +40,7 @@ def shape_from_config(cfg) -> tuple[Shape, int]:
     dc = drafter_config(cfg, index)
     shape = Shape(
         dc.hidden_size, dc.num_heads, dc.head_dim, dc.intermediate_size, dc.draft_vocab_size, dc.target_vocab_size,
-        norm_before_fc=dc.norm_before_fc, train_lm_head=dc.train_lm_head,
+        norm_before_fc=dc.norm_before_fc, train_lm_head=dc.train_lm_head, num_kv_heads=dc.num_kv_heads,
     )  # fmt: skip
     data_bytes = {"float32": 4, "fp32": 4}.get(str(index.dtype).replace("torch.", ""), 2)
     return shape, data_bytes
@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p.add_argument(f"--{name}", type=int, metavar="INT",
                        help="override one dimension of --shape (or give all six)")  # fmt: skip
+    p.add_argument("--num-kv-heads", type=int, default=None, metavar="INT",
+                   help="key/value heads, grouped-query attention (default: the config's, else num-heads)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=None, metavar="INT",
                    help="TTT steps (default: the config's, else 5)")  # fmt: skip
     p.add_argument("--world-size", type=int, default=1, metavar="INT", help="ranks (GPUs) in the run")
@@ -172,8 +174,11 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
             )
         data_bytes, ttt_steps, memory = 2, 5, None
     overrides = {d: getattr(args, d) for d in dims if getattr(args, d)}
+    if args.num_kv_heads:
+        overrides["num_kv_heads"] = args.num_kv_heads
     if overrides:
         shape = dataclasses.replace(shape, **overrides)
+    shape.drafter_config().validate()  # e.g. num_kv_heads must divide num_heads
     for key in ("dtype", "attention", "activation_checkpointing", "fsdp", "loss_chunk_size"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
@@ -192,7 +197,8 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
 def format_table(plan: Plan) -> str:
     budget = budget_bytes(plan.memory_gb, plan.margin) / GIB
     lines = [
-        f"drafter: hidden {plan.shape.hidden_size}, {plan.shape.num_heads} heads x {plan.shape.head_dim}, "
+        f"drafter: hidden {plan.shape.hidden_size}, {plan.shape.num_heads} heads x {plan.shape.head_dim} "
+        f"({plan.shape.num_kv_heads or plan.shape.num_heads} kv), "
         f"mlp {plan.shape.intermediate_size}, vocab {plan.shape.draft_vocab_size}/{plan.shape.target_vocab_size}; "
         f"ttt_steps {plan.ttt_steps}, world size {plan.world_size}",
         "options: "

@@ -51,6 +51,7 @@ class Shape:
     target_vocab_size: int
     norm_before_fc: bool = False
     train_lm_head: bool = False
+    num_kv_heads: int | None = None  # grouped-query attention; None: num_heads
 
     def drafter_config(self, aux_layer_ids: tuple[int, ...] = (2, 3, 4)):
         """The model config of this shape (the aux layer ids only label an export)."""
@@ -66,11 +67,18 @@ class Shape:
             aux_layer_ids=aux_layer_ids,
             norm_before_fc=self.norm_before_fc,
             train_lm_head=self.train_lm_head,
+            num_kv_heads=self.num_kv_heads,
         )
 
     @property
     def attention_dim(self) -> int:
+        """Width of the queries and of the attention output (q_proj, o_proj)."""
         return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys and of the values (k_proj, v_proj): smaller by heads / kv_heads under GQA."""
+        return (self.num_kv_heads or self.num_heads) * self.head_dim
 
     def linear_params(self) -> int:
         """Trainable Linear weights (autocast keeps a bf16 copy of each): fc, q/k/v/o, gate/up/down, lm_head if trained.
@@ -78,8 +86,8 @@ class Shape:
         >>> SHAPES["kimi-k2.5"].linear_params()  # docs/facts.md#eagle-3-drafter: ~756 M trainable
         756023296
         """
-        h, a, i = self.hidden_size, self.attention_dim, self.intermediate_size
-        n = 3 * h * h + 3 * (2 * h * a) + a * h + 3 * h * i
+        h, a, i, kv = self.hidden_size, self.attention_dim, self.intermediate_size, self.kv_dim
+        n = 3 * h * h + 2 * h * a + 2 * (2 * h * kv) + a * h + 3 * h * i
         return n + (h * self.draft_vocab_size if self.train_lm_head else 0)
 
     def trainable_params(self) -> int:
@@ -304,11 +312,14 @@ def step_held_terms(shape: Shape, seq_len: int, step: int, opts: Options) -> dic
         "loss_weight": s * FP32,
         "lse": s * FP32 * nh,
     }
+    kv = shape.kv_dim  # keys and values are kv_heads wide (grouped-query attention); q and the output are not
     if opts.attention == "exact":
-        terms["attention"] = s * 4 * a * lp  # q, k, v, out (k, v are also the cache of later steps)
+        terms["attention"] = (
+            s * (2 * a + 2 * kv) * lp
+        )  # q, k, v, out (k, v are also the cache of later steps)
     else:
         # flex saves q, the K/V concatenated over steps 0..step, its output, and o_proj saves the [S, A] copy
-        terms["attention"] = s * (3 + 2 * (step + 1)) * a * lp
+        terms["attention"] = s * (3 * a + 2 * (step + 1) * kv) * lp
     return terms
 
 
@@ -341,11 +352,11 @@ def checkpointed_step_terms(
     shape: Shape, seq_len: int, step: int, ttt_steps: int, opts: Options
 ) -> dict[str, int]:
     """What a step keeps with activation checkpointing: the inputs and outputs of its checkpoint."""
-    a, s, lp = shape.attention_dim, seq_len, opts.act_bytes
+    kv, s, lp = shape.kv_dim, seq_len, opts.act_bytes
     return {
         "step_output": s * lp * shape.hidden_size,
         # this step's K/V, needed by later steps (the last step's are dropped at once)
-        "kv_cache": s * 2 * a * lp if step < ttt_steps - 1 else 0,
+        "kv_cache": s * 2 * kv * lp if step < ttt_steps - 1 else 0,
         "rope_tables": s * 2 * FP32 * shape.head_dim,
         "token_ids": s * 8,
         "loss_weight": s * FP32,
@@ -375,6 +386,35 @@ def activation_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) 
     6.0
     """
     return sum(activation_terms(shape, seq_len, ttt_steps, opts).values())
+
+
+def gqa_savings(shape: Shape, ttt_steps: int = 5, opts: Options | None = None) -> dict[str, int]:
+    """What grouped-query attention saves against the multi-head drafter of the same shape: the bytes per
+    token the forward keeps for backward (activation_bytes, the K/V of every TTT step), and the k/v_proj weights.
+
+    A Llama-3.1-8B-like drafter (hidden 4096, 32 query heads x 128, 8 key/value heads), bf16 autocast, 5 TTT steps:
+    flex (the CUDA default; it saves the K/V of steps 0..k at step k) keeps 180 KiB less per token, exact attention
+    60 KiB, activation checkpointing (only the K/V cache of the steps before the last) 48 KiB; and 50.3 M fewer
+    k/v_proj weights.
+
+    >>> llama8b = Shape(4096, 32, 128, 14336, 32000, 128256, num_kv_heads=8)
+    >>> gqa_savings(llama8b)
+    {'activation_bytes_per_token': 184320, 'weights': 50331648}
+    >>> gqa_savings(llama8b, opts=Options(attention="exact"))["activation_bytes_per_token"]
+    61440
+    >>> gqa_savings(llama8b, opts=Options(activation_checkpointing=True))["activation_bytes_per_token"]
+    49152
+    """
+    opts = opts or Options()
+    mha = dataclasses.replace(shape, num_kv_heads=None)
+
+    def per_token(s: Shape) -> int:  # the slope in seq_len (autocast's weight copies do not grow with it)
+        return activation_bytes(s, 2, ttt_steps, opts) - activation_bytes(s, 1, ttt_steps, opts)
+
+    return {
+        "activation_bytes_per_token": per_token(mha) - per_token(shape),
+        "weights": mha.linear_params() - shape.linear_params(),
+    }
 
 
 def exact_block_elements(seq_len: int, block: int = EXACT_BLOCK) -> int:
@@ -415,10 +455,11 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
     loss_chunk = 5 * FP32 * chunk * shape.draft_vocab_size + (grad_h if chunk < s else 0)
     last = step_held_terms(shape, seq_len, k, opts)
     mlp_phase = 2 * grad_h + s * 3 * i * lp
+    kv = shape.kv_dim
     if opts.attention == "exact":
-        attn = s * (3 + 2 * k) * a * FP32 + FP32 * nh * exact_block_elements(s)
+        attn = s * (a + (2 + 2 * k) * kv) * FP32 + FP32 * nh * exact_block_elements(s)
     else:
-        attn = s * (1 + 2 * (k + 1)) * a * lp + s * 2 * FP32 * a
+        attn = s * (a + 2 * (k + 1) * kv) * lp + s * FP32 * (a + kv)
     # Weight gradients: every TTT step adds into the same per-weight gradient buffer (in the matmul dtype: under
     # autocast the bf16 weight copy collects them before the cast back to fp32), which is passed on only after
     # the last use; so a phase holds the buffers of the weights already reached, plus one new weight gradient.
