@@ -190,6 +190,15 @@ class TrainConfig:
         "key/value heads (grouped-query attention, a divisor of num_heads); 0: num_heads",
         bound=NON_NEGATIVE,
     )
+    fc_norm: bool = option(
+        False, "one RMSNorm per aux hidden state before fc (EAGLE 3.1; not with norm_before_fc)"
+    )
+    norm_output: bool = option(
+        False, "each TTT step after the first reads the post-norm hidden state (EAGLE 3.1)"
+    )
+    norm_before_residual: bool = option(
+        False, "the decoder layer's residual is the normed hidden half (vLLM assumes true when absent)"
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

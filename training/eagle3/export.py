@@ -3,11 +3,12 @@
     OUT_DIR/config.json          speculators_model_type "eagle3", speculators_config (algorithm, greedy
                                  proposal with speculative_tokens, verifier), transformer_layer_config
                                  (a one-layer Llama config), draft_vocab_size, norm_before_residual, ...
-    OUT_DIR/model.safetensors    fc, layers.0.*, norm, lm_head, d2t, t2d (+ embed_tokens, input_norm)
+    OUT_DIR/model.safetensors    fc, layers.0.*, norm, lm_head, d2t, t2d (+ embed_tokens, input_norm, fc_norm.{0,1,2})
 
 vLLM reads `speculators_model_type`, `transformer_layer_config`, `draft_vocab_size`,
-`norm_before_residual` (it defaults to True when absent, so it is always written: this drafter keeps
-the raw hidden half as the residual), `target_hidden_size` and `eagle_aux_hidden_state_layer_ids`;
+`norm_before_residual` (vLLM defaults it to True when absent, speculators to False, so it is always
+written), `norm_before_fc`, `fc_norm`, `norm_output` (EAGLE 3.1, default False), `target_hidden_size`
+and `eagle_aux_hidden_state_layer_ids`;
 it loads `d2t` as the draft-to-target offsets and ignores `t2d`. Without `embed_tokens` in the file
 vLLM shares the target's embedding (the drafter's is a frozen copy anyway).
 """
@@ -47,6 +48,8 @@ def exported_names(cfg: DrafterConfig, include_embed_tokens: bool) -> list[str]:
     names += [f"{layer}{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
     if cfg.norm_before_fc:
         names.append("input_norm.weight")
+    if cfg.fc_norm:
+        names += [f"fc_norm.{i}.weight" for i in range(3)]
     if include_embed_tokens:
         names.append("embed_tokens.weight")
     return [*names, "norm.weight", "lm_head.weight", "d2t", "t2d"]
@@ -103,10 +106,10 @@ def speculators_config(
         },
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
-        "norm_before_residual": False,
+        "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": cfg.norm_before_fc,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "torch_dtype": dtype_name,
@@ -189,10 +192,10 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError(f"{source}: transformer_layer_config is missing or not a mapping")
-    if config.get("norm_before_residual", True):
+    if "norm_before_residual" not in config:
         raise ConfigError(
-            f"{source}: norm_before_residual={config.get('norm_before_residual', 'absent (vLLM: True)')}; "
-            "this drafter implements only norm_before_residual=false"
+            f"{source}: norm_before_residual=absent; vLLM then assumes true, speculators false: "
+            "write it explicitly (true or false) so every reader builds the same drafter"
         )
     try:
         hidden = layer["hidden_size"]
@@ -208,6 +211,9 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
             rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
             rope_theta=layer.get("rope_theta", 10000.0),
             norm_before_fc=bool(config.get("norm_before_fc", False)),
+            fc_norm=bool(config.get("fc_norm", False)),
+            norm_output=bool(config.get("norm_output", False)),
+            norm_before_residual=bool(config["norm_before_residual"]),
             # HF LlamaConfig: an absent or null num_key_value_heads means num_attention_heads (multi-head)
             num_kv_heads=layer.get("num_key_value_heads") or heads,
         )

@@ -4,6 +4,7 @@ Parameter names follow speculators' Eagle3 so vLLM can serve the export:
 
     embed_tokens            frozen copy of the target embedding              [V_target, H]
     input_norm              optional RMSNorm over the 3 aux states (norm_before_fc)   [3H]
+    fc_norm.{0,1,2}         optional RMSNorm per aux state (fc_norm, EAGLE 3.1)      [H] each
     fc                      Linear 3H -> H over the three target aux hidden states
     layers.0.input_layernorm / hidden_norm       RMSNorm of the embedding half / hidden half
     layers.0.self_attn.q_proj  2H -> heads*head_dim;  {k,v}_proj 2H -> kv_heads*head_dim (GQA);
@@ -71,6 +72,12 @@ class DrafterConfig:
     norm_before_fc: bool = False
     # Grouped-query attention: key/value heads, a divisor of num_heads (None: num_heads, plain multi-head).
     num_kv_heads: int | None = None
+    # EAGLE 3.1 norms (speculators Eagle3SpeculatorConfig, vLLM llama_eagle3): fc_norm, one RMSNorm per aux
+    # state before fc (fc_norm.{0,1,2}); norm_output, the next TTT step reads norm(hidden), not hidden;
+    # norm_before_residual, the residual of the decoder layer is hidden_norm(hidden), not hidden.
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
     # speculators keeps lm_head frozen at the target's rows (docs/facts.md#eagle-3-drafter counts it as frozen).
     train_lm_head: bool = False
 
@@ -165,6 +172,11 @@ class DrafterConfig:
             raise ConfigError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
                 f"(grouped-query attention); one of {divisors}"
+            )
+        if self.norm_before_fc and self.fc_norm:
+            raise ConfigError(
+                "norm_before_fc and fc_norm are mutually exclusive (speculators refuses both): "
+                "one RMSNorm over the 3H concat, or one per aux state; set one of them"
             )
         if self.head_dim % 2:
             raise ConfigError(
@@ -263,6 +275,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
+        self.norm_before_residual = cfg.norm_before_residual
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = Eagle3MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -276,8 +289,9 @@ class Eagle3DecoderLayer(nn.Module):
         them to the query heads, query head h reading key/value head h // (heads / kv_heads) (HF repeat_kv).
         """
         seq_len = hidden.shape[0]
-        residual = hidden  # the residual is the raw hidden half (norm_before_residual = False)
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [S, 2H]
+        normed = self.hidden_norm(hidden)  # [S, H]
+        residual = normed if self.norm_before_residual else hidden  # vLLM llama_eagle3 _norm_before_residual
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [S, 2H]
         x = x.to(self.self_attn.q_proj.weight.dtype)
 
         def heads(t, n):
@@ -303,6 +317,9 @@ class Eagle3Drafter(nn.Module):
         hidden = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, hidden)
         self.input_norm = RMSNorm(3 * hidden, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList([RMSNorm(hidden, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
+        )
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -444,10 +461,16 @@ class Eagle3Drafter(nn.Module):
         aux = batch["aux_hidden"]
         if self.input_norm is not None:
             aux = self.input_norm(aux)
+        if self.fc_norm is not None:  # one RMSNorm per aux state: [S, 3H] as 3 x [S, H]
+            aux = torch.cat(
+                [norm(part) for norm, part in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], -1
+            )
         hidden = _linear(self.fc, aux)  # [S, H]
         base_positions = batch["position_ids"] + 1  # the embedded token sits one slot right
         keys, values = [], []
         for step in range(ttt_steps):
+            if step and self.cfg.norm_output:  # EAGLE 3.1: a later step reads the post-norm hidden state
+                hidden = self.norm(hidden)
             token_ids = shift_tokens(input_ids, step + 1)  # [S]
             cos, sin = rope_cos_sin(base_positions + step, self.cfg.head_dim, self.cfg.rope_theta)  # [S, hd]
             args = (hidden, token_ids, cos, sin, list(keys), list(values), attn)
@@ -457,7 +480,7 @@ class Eagle3Drafter(nn.Module):
                 hidden, k, v = self._layer_step(*args)
             keys.append(k)
             values.append(v)
-            yield hidden
+            yield hidden  # pre-norm: draft_logits applies `norm`
 
     def forward(
         self,

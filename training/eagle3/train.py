@@ -133,6 +133,9 @@ def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
         intermediate_size=cfg.intermediate_size or None,
         norm_before_fc=cfg.norm_before_fc,
         num_kv_heads=cfg.num_kv_heads or None,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+        norm_before_residual=cfg.norm_before_residual,
     )
 
 

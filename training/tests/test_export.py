@@ -132,3 +132,30 @@ def test_grouped_query_drafter_round_trips_with_its_kv_heads(tmp_path, make_mode
     (tmp_path / "out" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"config\.json: num_kv_heads=3 must divide num_heads=4"):
         load_exported(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "norms",
+    [
+        {"fc_norm": True},
+        {"norm_output": True},
+        {"norm_before_residual": True},
+        {"fc_norm": True, "norm_output": True, "norm_before_residual": True, "num_kv_heads": 1},
+    ],
+)
+def test_each_norm_option_round_trips_with_identical_logits(
+    tmp_path, make_model, make_row, tiny_config, norms
+):
+    cfg = tiny_config(**norms)
+    model = _trained_a_little(make_model, make_row, cfg)
+    export_speculators(model, tmp_path / "out", dtype=torch.float32, speculative_tokens=3)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("fc_norm", "norm_output", "norm_before_residual"):
+        assert config[key] is norms.get(key, False)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert ({f"fc_norm.{i}.weight" for i in range(3)} <= names) == norms.get("fc_norm", False)
+    loaded = load_exported(tmp_path / "out")
+    assert all(getattr(loaded.cfg, key) == value for key, value in norms.items())
+    batch = make_row(cfg, [40, 23], seq_len=64)
+    torch.testing.assert_close(ttt_logits(loaded, batch, 3), ttt_logits(model, batch, 3), rtol=0, atol=0)

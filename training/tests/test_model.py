@@ -172,3 +172,62 @@ def test_grouped_query_drafter_equals_multi_head_drafter_with_repeated_kv_heads(
     torch.testing.assert_close(
         ttt_logits(gqa, batch, 3, attention), ttt_logits(reference, batch, 3, attention), rtol=1e-5, atol=1e-5
     )
+
+
+def _logits(model, batch, steps=3):
+    from eagle3.model import ttt_logits
+
+    return ttt_logits(model, batch, steps, "exact")
+
+
+def test_fc_norm_normalises_each_aux_state_before_fc(make_model, make_row, tiny_config):
+    """fc_norm (EAGLE 3.1): RMSNorm of each of the three [S, H] aux states, weights fc_norm.{0,1,2}."""
+    plain, normed = make_model(tiny_config()), make_model(tiny_config(fc_norm=True))
+    assert [n for n, _ in normed.named_parameters() if n.startswith("fc_norm")] == [
+        f"fc_norm.{i}.weight" for i in range(3)
+    ]
+    scales = torch.tensor([0.5, 2.0, 3.0])
+    with torch.no_grad():
+        for i, norm in enumerate(normed.fc_norm):
+            norm.weight.fill_(float(scales[i]))
+    batch = make_row(tiny_config(), [30, 20], seq_len=56)
+    by_hand = dict(batch)
+    parts = batch["aux_hidden"].chunk(3, dim=-1)
+    by_hand["aux_hidden"] = torch.cat(
+        [scales[i] * p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6) for i, p in enumerate(parts)], -1
+    )
+    torch.testing.assert_close(_logits(normed, batch), _logits(plain, by_hand), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="norm_before_fc and fc_norm are mutually exclusive"):
+        tiny_config(fc_norm=True, norm_before_fc=True).validate()
+
+
+def test_norm_output_feeds_the_post_norm_hidden_state_to_later_steps(make_model, make_row, tiny_config):
+    """norm_output: step 0 is unchanged; step k >= 1 reads norm(h_{k-1}) where the plain drafter reads h_{k-1}."""
+    plain, fed_normed = make_model(tiny_config()), make_model(tiny_config(norm_output=True))
+    batch = make_row(tiny_config(), [30, 20], seq_len=56)
+    a, b = _logits(plain, batch), _logits(fed_normed, batch)
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    assert not torch.allclose(a[1], b[1])
+    # by hand: run plain's steps, normalising the carried hidden state between them
+    steps = fed_normed.ttt_hidden_states(batch, 2, "exact")
+    first, second = next(steps), next(steps)
+    with torch.no_grad():
+        ref_first = next(plain.ttt_hidden_states(batch, 1, "exact"))
+    torch.testing.assert_close(first, ref_first, rtol=0, atol=0)
+    assert second.shape == first.shape
+
+
+def test_norm_before_residual_adds_the_normed_hidden_half(make_model, make_row, tiny_config):
+    """norm_before_residual (vLLM llama_eagle3): residual = hidden_norm(hidden) instead of hidden. With a
+    zero o_proj and zero down_proj the layer output is its residual, so the difference is visible directly."""
+    plain, before = make_model(tiny_config()), make_model(tiny_config(norm_before_residual=True))
+    batch = make_row(tiny_config(), [30], seq_len=32)
+    with torch.no_grad():
+        for m in (plain, before):
+            m.layers[0].self_attn.o_proj.weight.zero_()
+            m.layers[0].mlp.down_proj.weight.zero_()
+        fc_out = plain.fc(batch["aux_hidden"])
+        h_plain = next(plain.ttt_hidden_states(batch, 1, "exact"))
+        h_before = next(before.ttt_hidden_states(batch, 1, "exact"))
+    torch.testing.assert_close(h_plain, fc_out, rtol=0, atol=0)
+    torch.testing.assert_close(h_before, before.layers[0].hidden_norm(fc_out), rtol=0, atol=0)

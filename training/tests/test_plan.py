@@ -28,6 +28,8 @@ SHAPES = {
     "h96": P.Shape(96, 6, 16, 256, 768, 1536),
     # grouped-query attention: 8 query heads over 2 key/value heads (K/V activations and k/v_proj 4x smaller)
     "h128-gqa": P.Shape(128, 8, 16, 320, 1024, 2048, num_kv_heads=2),
+    # EAGLE 3.1 norms: one RMSNorm per aux state before fc, later steps read the post-norm hidden state
+    "h96-eagle31": P.Shape(96, 6, 16, 256, 768, 1536, fc_norm=True, norm_output=True),
     # the Kimi drafter scaled by 1/8: weight-sized gradients and copies weigh as much as activations here
     "kimi-eighth": P.SHAPES["kimi-k2.5-eighth"],
 }
@@ -46,7 +48,10 @@ SMALL = ("h64", "h128", "h96")
 CASES = [(name, s, "fp32", False) for name in SMALL for s in (384, 768)]
 CASES += [(name, s, "bf16", True) for name in SMALL for s in (384, 768)]
 CASES += [
-    (name, 768, dtype, ckpt) for name in ("h128-gqa",) for dtype in ("fp32", "bf16") for ckpt in (False, True)
+    (name, 768, dtype, ckpt)
+    for name in ("h128-gqa", "h96-eagle31")
+    for dtype in ("fp32", "bf16")
+    for ckpt in (False, True)
 ]
 CASES += [("h96", 768, "fp32", True), ("h128", 768, "bf16", False), ("kimi-eighth", 512, "bf16", True)]
 

@@ -41,6 +41,7 @@ def shape_from_config(cfg) -> tuple[Shape, int]:
     shape = Shape(
         dc.hidden_size, dc.num_heads, dc.head_dim, dc.intermediate_size, dc.draft_vocab_size, dc.target_vocab_size,
         norm_before_fc=dc.norm_before_fc, train_lm_head=dc.train_lm_head, num_kv_heads=dc.num_kv_heads,
+        fc_norm=dc.fc_norm, norm_output=dc.norm_output,
     )  # fmt: skip
     data_bytes = {"float32": 4, "fp32": 4}.get(str(index.dtype).replace("torch.", ""), 2)
     return shape, data_bytes

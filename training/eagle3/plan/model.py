@@ -52,6 +52,8 @@ class Shape:
     norm_before_fc: bool = False
     train_lm_head: bool = False
     num_kv_heads: int | None = None  # grouped-query attention; None: num_heads
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (3 x H weights, like norm_before_fc)
+    norm_output: bool = False  # steps after the first read norm(hidden): one more RMSNorm per step
 
     def drafter_config(self, aux_layer_ids: tuple[int, ...] = (2, 3, 4)):
         """The model config of this shape (the aux layer ids only label an export)."""
@@ -68,6 +70,8 @@ class Shape:
             norm_before_fc=self.norm_before_fc,
             train_lm_head=self.train_lm_head,
             num_kv_heads=self.num_kv_heads,
+            fc_norm=self.fc_norm,
+            norm_output=self.norm_output,
         )
 
     @property
@@ -93,7 +97,7 @@ class Shape:
     def trainable_params(self) -> int:
         """Linear weights plus the trainable RMSNorm weights (input/hidden/post-attention/final, input_norm over 3H)."""
         h = self.hidden_size
-        return self.linear_params() + 4 * h + (3 * h if self.norm_before_fc else 0)
+        return self.linear_params() + 4 * h + (3 * h if self.norm_before_fc or self.fc_norm else 0)
 
     def frozen_params(self, keep_full_head: bool = True) -> int:
         """Embedding, verifier norm and head, the frozen lm_head and, for the true-target accuracy, the target head
@@ -314,13 +318,21 @@ def step_held_terms(shape: Shape, seq_len: int, step: int, opts: Options) -> dic
     }
     kv = shape.kv_dim  # keys and values are kv_heads wide (grouped-query attention); q and the output are not
     if opts.attention == "exact":
-        terms["attention"] = (
-            s * (2 * a + 2 * kv) * lp
-        )  # q, k, v, out (k, v are also the cache of later steps)
+        # q, k, v, out (k, v are also the cache of later steps)
+        terms["attention"] = s * (2 * a + 2 * kv) * lp
     else:
         # flex saves q, the K/V concatenated over steps 0..step, its output, and o_proj saves the [S, A] copy
         terms["attention"] = s * (3 * a + 2 * (step + 1) * kv) * lp
+    if step and shape.norm_output:
+        terms["norm_output"] = norm_output_bytes(shape, seq_len, opts)
     return terms
+
+
+def norm_output_bytes(shape: Shape, seq_len: int, opts: Options) -> int:
+    """norm_output (EAGLE 3.1): the RMSNorm a step after the first applies to the hidden state it reads, outside
+    any checkpoint: its fp32 input copy (an alias without autocast), the normed tensor and its fp32 output."""
+    h, lp = shape.hidden_size, opts.act_bytes
+    return seq_len * ((FP32 * h if opts.autocast else 0) + lp * h + FP32 * h)
 
 
 def once_held_terms(shape: Shape, seq_len: int, opts: Options) -> dict[str, int]:
@@ -332,8 +344,10 @@ def once_held_terms(shape: Shape, seq_len: int, opts: Options) -> dict[str, int]
         fc_input = 0 if no_copy else 2 * 3 * h
     else:
         fc_input = 2 * 3 * h if opts.autocast else (0 if no_copy else FP32 * 3 * h)
-    if shape.norm_before_fc:
-        fc_input += FP32 * 3 * h + lp * 3 * h
+    if shape.norm_before_fc or shape.fc_norm:
+        # one RMSNorm over 3H or three over H, the same bytes: the weight multiply saves the normed tensor in the
+        # data dtype; its fp32 output takes the place of the fp32 copy fc would save (measured: tests/test_plan.py)
+        fc_input += opts.data_bytes * 3 * h
     fc_output = lp * h if (opts.activation_checkpointing or not opts.autocast) else 0
     return {
         "fc_input": s * fc_input,
@@ -360,6 +374,7 @@ def checkpointed_step_terms(
         "rope_tables": s * 2 * FP32 * shape.head_dim,
         "token_ids": s * 8,
         "loss_weight": s * FP32,
+        "norm_output": norm_output_bytes(shape, seq_len, opts) if step and shape.norm_output else 0,
     }
 
 
@@ -477,7 +492,7 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
     decoder = max(p + lp * b for p, b in zip(phases, buffers, strict=True)) + lp * largest
     if opts.activation_checkpointing:
         # the recomputed forward saves what the plain step saves, except what lives outside the checkpoint
-        outside = ("step_output", "loss_weight", "rope_tables")
+        outside = ("step_output", "loss_weight", "rope_tables", "norm_output")
         decoder += sum(v for name, v in last.items() if name not in outside)
         if opts.autocast and not opts.bf16_params:
             decoder += 2 * layer  # the layer's bf16 weight copies, made again
