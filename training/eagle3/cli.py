@@ -113,18 +113,51 @@ def export_parser() -> argparse.ArgumentParser:
                    help="which checkpoint: best (the newest valid one when no validation ran), latest, "
                    "or a checkpoint directory")  # fmt: skip
     p.add_argument("--verifier", default=None, metavar="NAME",
-                   help="the target model's name or path, recorded for vLLM (default: none recorded)")  # fmt: skip
+                   help="the target model's name or path, recorded for vLLM (default: the dataset's "
+                   "index.json `verifier`; one of the two is required)")  # fmt: skip
+    p.add_argument("--verifier-arch", action="append", default=None, metavar="ARCH",
+                   help="the target's HF architecture, e.g. LlamaForCausalLM (repeatable; default: the "
+                   "dataset's index.json `verifier`)")  # fmt: skip
     return p
+
+
+def export_verifier(args, meta: dict) -> tuple[str, list[str]]:
+    """The verifier's name_or_path and architectures: the command line, else the dataset manifest's `verifier`
+    ({"name_or_path": ..., "architectures": [...]}); ConfigError when either stays unknown.
+
+    >>> export_verifier(argparse.Namespace(verifier="org/m", verifier_arch=["LlamaForCausalLM"]), {})
+    ('org/m', ['LlamaForCausalLM'])
+    >>> export_verifier(argparse.Namespace(verifier=None, verifier_arch=None), {})
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: export: the verifier is unknown (name_or_path None, architectures []): the dataset's index.json has no `verifier`; pass --verifier NAME --verifier-arch ARCH (e.g. --verifier meta-llama/Llama-3.1-8B-Instruct --verifier-arch LlamaForCausalLM)
+    """
+    manifest = meta.get("verifier") or {}
+    name = args.verifier or manifest.get("name_or_path")
+    archs = list(args.verifier_arch or manifest.get("architectures") or [])
+    if not name or not archs:
+        raise ConfigError(
+            f"export: the verifier is unknown (name_or_path {name!r}, architectures {archs}): the dataset's "
+            "index.json has no `verifier`; pass --verifier NAME --verifier-arch ARCH "
+            "(e.g. --verifier meta-llama/Llama-3.1-8B-Instruct --verifier-arch LlamaForCausalLM)"
+        )
+    return name, archs
 
 
 def cmd_export(argv: list[str]) -> int:
     p = export_parser()
     args = p.parse_args(argv)
+    from eagle3.data import read_index
     from eagle3.export import export_speculators
 
     model, path, cfg = load_trained(args.run_dir, args.checkpoint)
+    name, archs = export_verifier(args, read_index(cfg.data_dir).meta)
     export_speculators(
-        model, args.out_dir, speculative_tokens=cfg.ttt_steps, verifier_name_or_path=args.verifier
+        model,
+        args.out_dir,
+        speculative_tokens=cfg.ttt_steps,
+        verifier_name_or_path=name,
+        verifier_architectures=archs,
     )
     print(f"exported {path} -> {args.out_dir}", flush=True)
     return EXIT_OK

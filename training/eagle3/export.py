@@ -143,6 +143,12 @@ def export_speculators(
             raise ConfigError("export_speculators got a state_dict without cfg; pass cfg=DrafterConfig(...)")
         state = dict(model_or_state)
     cfg.validate()
+    if not verifier_name_or_path or not verifier_architectures:
+        raise ConfigError(
+            f"export needs the verifier: verifier_name_or_path={verifier_name_or_path!r}, "
+            f"verifier_architectures={list(verifier_architectures)!r}; both go into speculators_config.verifier "
+            "(for example 'meta-llama/Llama-3.1-8B-Instruct' and ['LlamaForCausalLM'])"
+        )
     if speculative_tokens < 1:
         raise ConfigError(
             f"speculative_tokens={speculative_tokens} must be at least 1 (usually the ttt_steps trained)"
@@ -183,42 +189,153 @@ def export_speculators(
     return out
 
 
+# Every field speculators' Eagle3SpeculatorConfig and HF's PretrainedConfig write at the top level. A field
+# outside these sets is refused by name: this reader would otherwise build a drafter the writer did not mean.
+TOP_LEVEL_FIELDS = {
+    "architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
+    "draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
+    "norm_output", "embed_requires_grad", "enable_sp_ulysses", "eagle_aux_hidden_state_layer_ids",
+    "torch_dtype", "dtype", "transformers_version", "speculators_version", "eagle3_pve",
+}  # fmt: skip
+# transformer_layer_config (an HF LlamaConfig, `to_diff_dict` or full): the fields read below, and the ones
+# that only matter for training or generation and cannot change the drafter's logits.
+LAYER_FIELDS = {
+    "model_type", "architectures", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_hidden_layers", "hidden_act", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "attention_bias", "mlp_bias",
+    "tie_word_embeddings", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
+    "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id", "eos_token_id", "pad_token_id",
+}  # fmt: skip
+# Fields whose value this drafter fixes: anything else is refused with the field's name.
+LAYER_FIXED = {
+    "model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu", "attention_bias": False,
+    "mlp_bias": False, "pretraining_tp": 1,
+}  # fmt: skip
+SPECULATORS_CONFIG_FIELDS = {"algorithm", "proposal_methods", "default_proposal_method", "verifier"}
+
+
+def _refuse_unknown(fields, known, where: str, source: str) -> None:
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown field(s) {unknown} in {where}; this reader knows {sorted(known)} "
+            "and refuses what it cannot honour (docs/drafter-format.md)"
+        )
+
+
+def _rope_theta(layer: dict, source: str) -> float:
+    """rope_theta from `transformer_layer_config.rope_theta` (transformers 4.x) or
+    `transformer_layer_config.rope_parameters.rope_theta` (transformers 5); both present must agree.
+    Rotary scaling (rope_scaling, or rope_parameters.rope_type other than "default") is refused by name."""
+    params = layer.get("rope_parameters")
+    thetas = {}
+    if layer.get("rope_theta") is not None:
+        thetas["transformer_layer_config.rope_theta"] = float(layer["rope_theta"])
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(
+                f"{source}: transformer_layer_config.rope_parameters={params!r} is not a mapping"
+            )
+        _refuse_unknown(
+            params, {"rope_type", "rope_theta"}, "transformer_layer_config.rope_parameters", source
+        )
+        if params.get("rope_type", "default") != "default":
+            raise ConfigError(
+                f"{source}: transformer_layer_config.rope_parameters.rope_type={params['rope_type']!r}; "
+                "this drafter implements only unscaled rotary embeddings (rope_type 'default')"
+            )
+        if params.get("rope_theta") is not None:
+            thetas["transformer_layer_config.rope_parameters.rope_theta"] = float(params["rope_theta"])
+    scaling = layer.get("rope_scaling")
+    if scaling is not None and (
+        not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "default"
+    ):
+        raise ConfigError(
+            f"{source}: transformer_layer_config.rope_scaling={scaling!r}; this drafter implements only unscaled "
+            "rotary embeddings (rope_scaling null or rope_type 'default')"
+        )
+    if not thetas:
+        raise ConfigError(
+            f"{source}: no rope_theta: set transformer_layer_config.rope_theta or "
+            "transformer_layer_config.rope_parameters.rope_theta"
+        )
+    if len(set(thetas.values())) > 1:
+        raise ConfigError(f"{source}: rope_theta disagrees between {thetas}")
+    return next(iter(thetas.values()))
+
+
 def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig:
-    """DrafterConfig from a speculators eagle3 config.json dictionary; ConfigError names a missing key."""
+    """DrafterConfig from a speculators eagle3 config.json dictionary.
+
+    Strict: an unknown field, a value this drafter cannot run, or a missing field that changes the drafter
+    (eagle_aux_hidden_state_layer_ids, norm_before_residual, rope_theta, ...) raises ConfigError naming it.
+    """
     if config.get("speculators_model_type") != "eagle3":
         raise ConfigError(
             f"{source}: speculators_model_type={config.get('speculators_model_type')!r}, expected 'eagle3'"
         )
+    _refuse_unknown(config, TOP_LEVEL_FIELDS, "the top level", source)
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError(f"{source}: transformer_layer_config is missing or not a mapping")
+    _refuse_unknown(layer, LAYER_FIELDS, "transformer_layer_config", source)
+    for key, value in LAYER_FIXED.items():
+        if key in layer and layer[key] != value:
+            raise ConfigError(
+                f"{source}: transformer_layer_config.{key}={layer[key]!r}; this drafter implements only {value!r}"
+            )
+    spec = config.get("speculators_config")
+    if spec is not None:
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{source}: speculators_config={spec!r} is not a mapping")
+        _refuse_unknown(spec, SPECULATORS_CONFIG_FIELDS, "speculators_config", source)
+        if spec.get("algorithm", "eagle3") != "eagle3":
+            raise ConfigError(
+                f"{source}: speculators_config.algorithm={spec['algorithm']!r}, expected 'eagle3'"
+            )
     if "norm_before_residual" not in config:
         raise ConfigError(
             f"{source}: norm_before_residual=absent; vLLM then assumes true, speculators false: "
             "write it explicitly (true or false) so every reader builds the same drafter"
         )
-    try:
-        hidden = layer["hidden_size"]
-        heads = layer["num_attention_heads"]
-        values = dict(
-            hidden_size=hidden,
-            num_heads=heads,
-            head_dim=layer.get("head_dim") or hidden // heads,
-            intermediate_size=layer["intermediate_size"],
-            draft_vocab_size=config["draft_vocab_size"],
-            target_vocab_size=layer["vocab_size"],
-            aux_layer_ids=tuple(config["eagle_aux_hidden_state_layer_ids"]),
-            rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
-            rope_theta=layer.get("rope_theta", 10000.0),
-            norm_before_fc=bool(config.get("norm_before_fc", False)),
-            fc_norm=bool(config.get("fc_norm", False)),
-            norm_output=bool(config.get("norm_output", False)),
-            norm_before_residual=bool(config["norm_before_residual"]),
-            # HF LlamaConfig: an absent or null num_key_value_heads means num_attention_heads (multi-head)
-            num_kv_heads=layer.get("num_key_value_heads") or heads,
+    if config.get("eagle_aux_hidden_state_layer_ids") is None:
+        raise ConfigError(
+            f"{source}: eagle_aux_hidden_state_layer_ids is missing; without it vLLM picks the verifier layers "
+            "itself, which need not be the ones the drafter was trained on: write the 3 layer ids "
+            "(the dataset's aux_layer_ids)"
         )
-    except KeyError as e:
-        raise ConfigError(f"{source}: required key {e.args[0]!r} is missing; re-export the drafter") from e
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad"):
+        if key in config and not isinstance(config[key], bool):
+            raise ConfigError(f"{source}: {key}={config[key]!r} must be true or false")
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "rms_norm_eps"):
+        if layer.get(key) is None:
+            raise ConfigError(f"{source}: transformer_layer_config.{key} is missing; re-export the drafter")
+    if "draft_vocab_size" not in config:
+        raise ConfigError(f"{source}: draft_vocab_size is missing; re-export the drafter")
+    hidden = layer["hidden_size"]
+    heads = layer["num_attention_heads"]
+    if config.get("target_hidden_size") not in (None, hidden):
+        raise ConfigError(
+            f"{source}: target_hidden_size={config['target_hidden_size']} != transformer_layer_config.hidden_size="
+            f"{hidden}; this drafter's fc maps 3 x hidden_size (the verifier's) to hidden_size"
+        )
+    values = dict(
+        hidden_size=hidden,
+        num_heads=heads,
+        head_dim=layer.get("head_dim") or hidden // heads,
+        intermediate_size=layer["intermediate_size"],
+        draft_vocab_size=config["draft_vocab_size"],
+        target_vocab_size=layer["vocab_size"],
+        aux_layer_ids=tuple(config["eagle_aux_hidden_state_layer_ids"]),
+        rms_norm_eps=layer["rms_norm_eps"],
+        rope_theta=_rope_theta(layer, source),
+        norm_before_fc=config.get("norm_before_fc", False),
+        fc_norm=config.get("fc_norm", False),
+        norm_output=config.get("norm_output", False),
+        norm_before_residual=config["norm_before_residual"],
+        # HF LlamaConfig: an absent or null num_key_value_heads means num_attention_heads (multi-head)
+        num_kv_heads=layer.get("num_key_value_heads") or heads,
+    )
     try:
         return DrafterConfig.from_dict(values)
     except ConfigError as e:

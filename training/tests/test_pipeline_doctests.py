@@ -16,6 +16,7 @@ MODULES = [
     "eagle3.plan.model",
     "eagle3.plan.gpu_probe",
     "eagle3.plan.cli",
+    "eagle3.cli",
     "eagle3.standin",
     "eagle3.train",
     "eagle3.synth",

@@ -98,9 +98,16 @@ def test_drafter_learns_on_synth_data(tmp_path_factory, tmp_path):
     assert best["best_step"] == 80  # the lowest validation loss is the last one here
     # Export the best checkpoint in the speculators format and load it back.
     out = tmp_path / "export"
-    assert run_trainer(["export", str(run), str(out)], tmp_path / "export.txt", timeout=120) == 0
+    assert run_trainer(["export", str(run), str(out)], tmp_path / "export.txt", timeout=120) != 0
+    assert "the verifier is unknown" in (tmp_path / "export.txt").read_text()
+    verifier = ["--verifier", "org/target", "--verifier-arch", "LlamaForCausalLM"]
+    assert run_trainer(["export", str(run), str(out), *verifier], tmp_path / "export.txt", timeout=120) == 0
     exported = json.loads((out / "config.json").read_text())
     assert exported["speculators_model_type"] == "eagle3"
+    assert exported["speculators_config"]["verifier"] == {
+        "name_or_path": "org/target",
+        "architectures": ["LlamaForCausalLM"],
+    }
     assert (out / "model.safetensors").is_file()
 
 
