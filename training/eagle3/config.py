@@ -199,6 +199,9 @@ class TrainConfig:
     norm_before_residual: bool = option(
         False, "the decoder layer's residual is the normed hidden half (vLLM assumes true when absent)"
     )
+    init_from: str = option(
+        "", "a speculators-format drafter directory (an export) to start from; empty: random initialisation"
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

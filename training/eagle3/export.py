@@ -367,3 +367,58 @@ def load_exported(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32
     model.verifier_lm_head.weight.data.fill_(float("nan"))
     model.verifier_norm.weight.data.fill_(float("nan"))
     return model.to(dtype)
+
+
+# The drafter config fields an init_from export must share with the run (train_lm_head is the run's choice).
+_INIT_KEYS = tuple(k for k in DrafterConfig.__dataclass_fields__ if k != "train_lm_head")
+
+
+@torch.no_grad()
+def init_from_export(model: Eagle3Drafter, src_dir: str | os.PathLike) -> list[str]:
+    """Copy a speculators-format drafter's weights into `model` (built and given its target weights): the run
+    starts from it, with the export's logits before the first step. Returns the names copied.
+
+    The export must describe the same drafter as the run's config (every DrafterConfig field except
+    train_lm_head) and the same vocab mapping (d2t, t2d) as the run's dataset; ConfigError / DataError name what
+    differs. The embedding stays the dataset target's (frozen); lm_head is the export's.
+    """
+    src = Path(src_dir)
+    config_path, weights_path = src / CONFIG_FILE, src / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise ConfigError(
+                f"init_from: {path} does not exist; point init_from at an `eagle3 export` directory"
+            )
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"init_from: {config_path} is not valid JSON ({e})") from e
+    theirs = config_from_export(config, str(config_path)).to_dict()
+    ours = model.cfg.to_dict()
+    differ = {k: (theirs[k], ours[k]) for k in _INIT_KEYS if theirs[k] != ours[k]}
+    if differ:
+        raise ConfigError(
+            f"init_from {src}: the export is another drafter: "
+            + ", ".join(f"{k}={a!r} there, {b!r} in this run" for k, (a, b) in differ.items())
+        )
+    weights = load_file(str(weights_path))
+    expected = exported_names(model.cfg, "embed_tokens.weight" in weights)
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise DataError(f"init_from {weights_path}: missing {missing}, unexpected {unexpected}")
+    for name in ("d2t", "t2d"):
+        if not torch.equal(weights[name].cpu(), getattr(model, name).cpu()):
+            raise DataError(
+                f"init_from {weights_path}: {name} differs from this run's dataset vocab mapping; "
+                "the export was trained with another draft vocabulary"
+            )
+    state = model.state_dict()
+    copied = [n for n in expected if n not in ("d2t", "t2d", "embed_tokens.weight")]
+    for name in copied:
+        target = state[name]
+        if list(weights[name].shape) != list(target.shape):
+            raise DataError(
+                f"init_from {weights_path}: {name} has shape {list(weights[name].shape)}, expected {list(target.shape)}"
+            )
+        target.copy_(weights[name].to(device=target.device, dtype=target.dtype))
+    return copied

@@ -290,6 +290,10 @@ class Trainer:
         t2d, d2t = self.reader.vocab()
         target = self.reader.target_weights()
         model.load_target_weights(target["embed"], target["final_norm"], target["lm_head"], t2d, d2t)
+        if cfg.init_from:  # a resumed run's checkpoint replaces these weights afterwards
+            from eagle3.export import init_from_export
+
+            init_from_export(model, cfg.init_from)
         self.model = model.to(device)
         run = self.run_options
         autocast_dtype = torch.bfloat16 if run.autocast else None

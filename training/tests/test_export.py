@@ -261,3 +261,31 @@ def test_import_reads_rope_theta_in_either_layout(tmp_path, make_model):
         use_cache=True, initializer_range=0.02, attention_dropout=0.0, bos_token_id=1, eos_token_id=2
     )
     assert _load_with(tmp_path, config).cfg.hidden_size == 64
+
+
+def test_init_from_an_export_gives_its_logits_before_the_first_step(
+    tmp_path, make_model, make_row, tiny_config
+):
+    from eagle3.export import init_from_export
+
+    cfg = tiny_config(num_kv_heads=2, fc_norm=True)
+    trained = _trained_a_little(make_model, make_row, cfg)
+    export_speculators(trained, tmp_path / "out", dtype=torch.float32, **VERIFIER)
+    fresh = make_model(cfg, seed=0)  # same dataset target (seed 0), but fresh trainable weights
+    with torch.no_grad():
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.normal_()
+    batch = make_row(cfg, [40, 23], seq_len=64)
+    assert not torch.allclose(ttt_logits(fresh, batch, 3), ttt_logits(trained, batch, 3))
+    copied = init_from_export(fresh, tmp_path / "out")
+    assert "fc_norm.0.weight" in copied and "embed_tokens.weight" not in copied
+    torch.testing.assert_close(ttt_logits(fresh, batch, 3), ttt_logits(trained, batch, 3), rtol=0, atol=0)
+    with pytest.raises(
+        ConfigError, match="the export is another drafter: num_kv_heads=2 there, 4 in this run"
+    ):
+        init_from_export(make_model(tiny_config(fc_norm=True)), tmp_path / "out")
+    with pytest.raises(DataError, match="d2t differs from this run's dataset vocab mapping"):
+        init_from_export(make_model(cfg, seed=1), tmp_path / "out")
+    with pytest.raises(ConfigError, match="does not exist"):
+        init_from_export(fresh, tmp_path / "nowhere")
