@@ -143,8 +143,11 @@ def test_flex_backward_is_unavailable_on_cpu_as_documented():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs CUDA")
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_flex_matches_exact_forward_and_backward_on_cuda(make_model, make_row, tiny_config, checkpointing):
-    cfg = tiny_config()
+@pytest.mark.parametrize("kv_heads", [4, 2])  # 2: grouped-query attention (compiled flex with enable_gqa)
+def test_flex_matches_exact_forward_and_backward_on_cuda(
+    make_model, make_row, tiny_config, checkpointing, kv_heads
+):
+    cfg = tiny_config(num_kv_heads=kv_heads)
     batch = make_row(cfg, [200, 150, 100], seq_len=512, mask_prob=0.8)
     results = {}
     for kind in ("exact", "flex"):
