@@ -92,6 +92,9 @@ def verdict(
     >>> verdict({"phase": "failed", "updated": 10, "error": {"kind": "oom", "message": "CUDA out of memory",
     ...          "max_seq_len": 32768}}, {"ActiveState": "failed"}, min_steps=3, started_at=5)
     ('oom', 'out of memory at max_seq_len=32768: CUDA out of memory')
+    >>> verdict({"phase": "failed", "updated": 10, "error": {"kind": "oom", "max_seq_len": 16384,
+    ...          "message": "out of memory at max_seq_len=16384: CUDA out of memory"}}, {}, min_steps=3, started_at=5)
+    ('oom', 'out of memory at max_seq_len=16384: CUDA out of memory')
     """
     fresh = status is not None and is_fresh(status, started_at)
     err = (status or {}).get("error") if fresh else None
@@ -99,7 +102,10 @@ def verdict(
         kind = err.get("kind", "crash")
         msl = err.get("max_seq_len", max_seq_len)
         if kind == "oom":
-            return "oom", f"out of memory at max_seq_len={msl}: {err.get('message', '')}".rstrip(": ")
+            message = err.get("message", "")
+            if message.startswith("out of memory"):  # the trainer's own message already names the length
+                return "oom", message
+            return "oom", f"out of memory at max_seq_len={msl}: {message}".rstrip(": ")
         if kind == "config":
             return "config", f"the trainer rejected its configuration: {err.get('message', '')}"
         if kind == "hang":
