@@ -1,4 +1,4 @@
-"""ansible-doc reads every module in library/, every filter of the roles and the pct connection without an error
+"""ansible-doc reads every module in library/ and roles/*/library/, every filter of the roles and the pct connection without an error
 or a warning.
 
 Each module documents the check_mode, diff_mode and platform attributes with a support level, EXAMPLES that are
@@ -22,7 +22,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_DOC = str(Path(sys.executable).parent / "ansible-doc")
-MODULES = sorted(p.stem for p in (ROOT / "library").glob("*.py"))
+# The project's modules and the role-local ones (roles/*/library, found by Ansible only inside their role).
+MODULE_DIRS = ["library", *sorted(str(d.relative_to(ROOT)) for d in ROOT.glob("roles/*/library"))]
+MODULES = sorted(p.stem for d in MODULE_DIRS for p in (ROOT / d).glob("*.py"))
+MODULE_PATH = os.pathsep.join(MODULE_DIRS)
 FILTER_DIRS = sorted(ROOT.glob("roles/*/filter_plugins"))
 
 # ansible-core's support levels (ansible-test's validate-modules schema).
@@ -80,8 +83,8 @@ def test_the_lists_are_not_empty():
 
 def test_ansible_doc_reads_every_module_cleanly():
     """`ansible-doc -t module -M library NAME...` for all of them: a broken one is named on stderr."""
-    proc = ansible_doc("-t", "module", "-M", "library", *MODULES)
-    assert_clean(proc, "ansible-doc -t module -M library")
+    proc = ansible_doc("-t", "module", "-M", MODULE_PATH, *MODULES)
+    assert_clean(proc, f"ansible-doc -t module -M {MODULE_PATH}")
     for name in MODULES:
         assert f"> MODULE {name} " in proc.stdout, f"{name} not rendered"
 
@@ -102,7 +105,7 @@ def test_ansible_doc_reads_the_pct_connection_cleanly():
 
 @pytest.fixture(scope="module")
 def module_docs() -> dict:
-    proc = ansible_doc("-t", "module", "-M", "library", "--json", *MODULES)
+    proc = ansible_doc("-t", "module", "-M", MODULE_PATH, "--json", *MODULES)
     assert_clean(proc, "ansible-doc --json (modules)")
     return json.loads(proc.stdout)
 
@@ -188,10 +191,14 @@ def test_examples_are_valid_tasks(module_docs, filter_docs, tmp_path):
     playbook = tmp_path / "examples.yml"
     playbook.write_text(yaml.safe_dump(plays, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
-    env.update(ANSIBLE_NOCOLOR="1", ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"))
+    # ANSIBLE_LIBRARY, not -M: ansible-playbook's -M did not find the role-local modules here.
+    env.update(
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
+        ANSIBLE_LIBRARY=os.pathsep.join(str(ROOT / d) for d in MODULE_DIRS),
+    )
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible-playbook"), "--syntax-check", "-i", "localhost,",
-         "-M", str(ROOT / "library"), str(playbook)],
+        [str(Path(sys.executable).parent / "ansible-playbook"), "--syntax-check", "-i", "localhost,", str(playbook)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -26,6 +26,17 @@ options:
     type: list
     elements: path
     default: [/usr/lib/x86_64-linux-gnu, /usr/lib64, /usr/lib, /usr/local/lib, /lib/x86_64-linux-gnu]
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: It only reads, the same in check mode.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: Linux, inside the container (or on any host); without nvidia-smi the error fact says so.
 notes:
   - Supports check mode (reads only). Standard library only.
 """

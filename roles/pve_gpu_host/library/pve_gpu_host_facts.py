@@ -19,6 +19,17 @@ options:
     description: Prefix of every path read (tests point it at a fake tree). Paths reported never carry it.
     type: path
     default: /
+extends_documentation_fragment:
+  - action_common_attributes
+attributes:
+  check_mode:
+    support: full
+    details: It only reads, the same in check mode.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: A Proxmox VE node (Linux); without an NVIDIA driver the version is empty and no device is listed.
 notes:
   - Supports check mode (it changes nothing).
   - Standard library only.
