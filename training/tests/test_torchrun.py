@@ -218,3 +218,27 @@ def test_sigterm_to_the_launcher_stops_cleanly_without_a_traceback(data, tmp_pat
     ]
     assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
     assert ckpt.newest_valid(run).name == ckpt.step_dir_name(status["step"])
+
+
+@pytest.mark.slow
+def test_init_from_under_fsdp_gives_the_unsharded_runs_first_step(ddp_run, data, tmp_path):
+    """init_from loads the export into the full model on every rank before FSDP2 shards it: the first step's loss
+    (the forward before any update, i.e. the exported drafter's logits) is the same sharded and unsharded, and it
+    is not the loss of a run started from random weights."""
+    exported = tmp_path / "export"
+    subprocess.run(
+        [sys.executable, "-m", "eagle3", "export", str(ddp_run[2]), str(exported), "--checkpoint", "latest",
+         "--verifier", "test/verifier", "--verifier-arch", "LlamaForCausalLM"],
+        cwd=TRAINING_ROOT, env=trainer_env(), check=True, capture_output=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    first = {}
+    for fsdp in (False, True):
+        where = tmp_path / ("fsdp" if fsdp else "ddp")
+        where.mkdir()
+        proc, run = start_torchrun(where, data, max_steps=1, fsdp=fsdp, init_from=str(exported))
+        rc, log = finish(proc, where)
+        assert rc == 0, log[-3000:]
+        first[fsdp] = next(r["loss"] for r in read_metrics(run) if r["step"] == 1)
+    from_scratch = next(r["loss"] for r in read_metrics(ddp_run[2]) if r["step"] == 1)
+    assert first[True] == pytest.approx(first[False], rel=1e-4)
+    assert abs(first[False] - from_scratch) > 1e-3 * abs(from_scratch), (first, from_scratch)
