@@ -342,20 +342,30 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
         raise ConfigError(f"{source}: {e}") from e
 
 
-def load_exported(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-    """Load an export as an Eagle3Drafter (for checks and evaluation; the teacher weights are not in it)."""
-    out = Path(out_dir)
-    config_path, weights_path = out / CONFIG_FILE, out / WEIGHTS_FILE
+def read_export_config(
+    directory: Path, *, missing: str, prefix: str = "", bad_json: str = ""
+) -> tuple[DrafterConfig, Path]:
+    """The drafter config of an export directory and the path of its weights; ConfigError when either file is
+    missing (`missing` says what to do) or the config is not JSON. Messages start with `prefix`."""
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for path in (config_path, weights_path):
         if not path.is_file():
-            raise ConfigError(
-                f"{path} does not exist; export with `python -m eagle3 export RUN_DIR {out}` first"
-            )
+            raise ConfigError(f"{prefix}{path} does not exist; {missing}")
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{config_path} is not valid JSON ({e}); re-export the drafter") from e
-    cfg = config_from_export(config, str(config_path))
+        raise ConfigError(f"{prefix}{config_path} is not valid JSON ({e}){bad_json}") from e
+    return config_from_export(config, str(config_path)), weights_path
+
+
+def load_exported(out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """Load an export as an Eagle3Drafter (for checks and evaluation; the teacher weights are not in it)."""
+    out = Path(out_dir)
+    cfg, weights_path = read_export_config(
+        out,
+        missing=f"export with `python -m eagle3 export RUN_DIR {out}` first",
+        bad_json="; re-export the drafter",
+    )
     model = Eagle3Drafter(cfg)
     weights = load_file(str(weights_path))
     expected = exported_names(cfg, "embed_tokens.weight" in weights)
@@ -383,17 +393,10 @@ def init_from_export(model: Eagle3Drafter, src_dir: str | os.PathLike) -> list[s
     differs. The embedding stays the dataset target's (frozen); lm_head is the export's.
     """
     src = Path(src_dir)
-    config_path, weights_path = src / CONFIG_FILE, src / WEIGHTS_FILE
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise ConfigError(
-                f"init_from: {path} does not exist; point init_from at an `eagle3 export` directory"
-            )
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"init_from: {config_path} is not valid JSON ({e})") from e
-    theirs = config_from_export(config, str(config_path)).to_dict()
+    cfg, weights_path = read_export_config(
+        src, prefix="init_from: ", missing="point init_from at an `eagle3 export` directory"
+    )
+    theirs = cfg.to_dict()
     ours = model.cfg.to_dict()
     differ = {k: (theirs[k], ours[k]) for k in _INIT_KEYS if theirs[k] != ours[k]}
     if differ:

@@ -59,20 +59,8 @@ class Shape:
         """The model config of this shape (the aux layer ids only label an export)."""
         from eagle3.model import DrafterConfig
 
-        return DrafterConfig(
-            hidden_size=self.hidden_size,
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size,
-            draft_vocab_size=self.draft_vocab_size,
-            target_vocab_size=self.target_vocab_size,
-            aux_layer_ids=aux_layer_ids,
-            norm_before_fc=self.norm_before_fc,
-            train_lm_head=self.train_lm_head,
-            num_kv_heads=self.num_kv_heads,
-            fc_norm=self.fc_norm,
-            norm_output=self.norm_output,
-        )
+        # Every Shape field is a DrafterConfig field of the same name (tests/test_plan.py builds models from it).
+        return DrafterConfig(**dataclasses.asdict(self), aux_layer_ids=aux_layer_ids)
 
     @property
     def attention_dim(self) -> int:
