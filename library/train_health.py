@@ -29,6 +29,11 @@ options:
     description: The trainer's run directory (holds C(status.json)).
     type: path
     required: true
+  state_dir:
+    description:
+      - The node's own folder with C(restart-backoff.json); default O(run_dir). A node of a multi-node run has one
+        apart from the shared O(run_dir).
+    type: path
   min_steps:
     description: Steps the current run must complete to count as healthy.
     type: int
@@ -219,6 +224,7 @@ def main():
         argument_spec=dict(
             unit=dict(type="str", default="eagle3-train.service"),
             run_dir=dict(type="path", required=True),
+            state_dir=dict(type="path"),
             min_steps=dict(type="int", default=3),
             timeout=dict(type="int", default=600),
             poll_interval=dict(type="float", default=1.0),
@@ -279,7 +285,7 @@ def main():
         # Restarting after a failure: the run's state (train_status.run_state, which status.yml shows too) is
         # crash-looping, said now with the last exit's reason, not after the whole timeout.
         if kind == "waiting" and unit.get("ActiveState") == "activating":
-            record = read_backoff(os.path.join(p["run_dir"], BACKOFF_FILE))
+            record = read_backoff(os.path.join(p["state_dir"] or p["run_dir"], BACKOFF_FILE))
             run = run_state(status, unit, record, started_at, time.time())
             if run["state"] == "crash-looping":
                 kind = "crash"

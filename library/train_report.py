@@ -35,9 +35,14 @@ options:
     type: str
     default: eagle3-train.service
   run_dir:
-    description: The trainer's run directory (C(status.json), C(restart-backoff.json)).
+    description: The trainer's run directory (C(status.json)).
     type: path
     required: true
+  state_dir:
+    description:
+      - The node's own folder with C(restart-backoff.json) and C(last-stop.json); default O(run_dir). A node of a
+        multi-node run has one apart from the shared O(run_dir).
+    type: path
   devices:
     description: GPU device globs whose holders are listed.
     type: list
@@ -144,6 +149,7 @@ def main():
         argument_spec=dict(
             unit=dict(type="str", default="eagle3-train.service"),
             run_dir=dict(type="path", required=True),
+            state_dir=dict(type="path"),
             devices=dict(type="list", elements="str", default=[]),
             protect=dict(type="list", elements="str", default=[]),
             log_every=dict(type="int", default=1),
@@ -153,7 +159,8 @@ def main():
     p = module.params
     unit = unit_state(p["unit"])
     status = read_status(status_path(p["run_dir"]))
-    backoff = read_state(os.path.join(p["run_dir"], BACKOFF_FILE))
+    state_dir = p["state_dir"] or p["run_dir"]
+    backoff = read_state(os.path.join(state_dir, BACKOFF_FILE))
     run = run_state(
         {**status, "log_every": status.get("log_every", p["log_every"])} if status else None,
         unit,
@@ -161,7 +168,7 @@ def main():
         started_at(unit),
         time.time(),
     )
-    last_stop = read_status(os.path.join(p["run_dir"], LAST_STOP_FILE))
+    last_stop = read_status(os.path.join(state_dir, LAST_STOP_FILE))
     if last_stop and status and float(last_stop.get("time") or 0) < float(status.get("updated") or 0):
         last_stop = None  # a stop before the current run's last report: not news any more
     held = (

@@ -53,6 +53,8 @@ def test_every_default_passes():
         "eagle3_train_max_seq_len": "16384",
     }  # the default templates max_seq_len | default(16384)
     values["eagle3_train_venv"] = "/opt/eagle3/venv"  # "{{ eagle3_train_prefix }}/venv"
+    values["eagle3_train_state_dir"] = "/var/lib/eagle3/run"  # "{{ eagle3_train_run_dir }}"
+    values["eagle3_train_nodes"] = ["ct129"]  # "{{ groups['training'] ... }}"
     assert ti.train_input_errors(values) == []
 
 
@@ -88,6 +90,7 @@ BAD = {
     "int_list": [("10,30", "is not a list of whole numbers"), ([], "is not a list of whole numbers"),
                  ([10, "x"], "is not a list of whole numbers"), ([10, -1], "has a number out of range")],
     "dict": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping")],
+    "node_rank": [("-1", "is not a node rank"), ("first", "is not a node rank"), (1.5, "is not a node rank")],
     "nproc": [("0", "is not a worker count"), ("many", "is not a worker count"), (-2, "is not a worker count")],
     "seq_len": [("1000", "is not a multiple of 128"), ("0", "is neither a positive multiple of 128 nor"),
                 ("big", "is neither"), ("-128", "is neither"), ("16384.0", "is neither")],
@@ -97,6 +100,7 @@ CASES = [
     for name, entry in ti.VARIABLES.items()
     if entry["kind"] != "bool"
     for value, says in BAD[entry["kind"]]
+    if not (entry.get("empty") and value == "")  # "" means "not set" for these
 ]
 
 
@@ -143,6 +147,11 @@ def test_ranges(name, value):
         ("eagle3_train_max_seq_len", 16384),
         ("eagle3_train_restart_delays", ["10", 30]),
         ("eagle3_train_synth_args", ["--num-samples", 8]),
+        ("eagle3_train_node_rank", "auto"),
+        ("eagle3_train_node_rank", "1"),
+        ("eagle3_train_socket_ifname", ""),
+        ("eagle3_train_socket_ifname", "eth1"),
+        ("eagle3_train_nodes", ["ct1", "ct2"]),
     ],
 )
 def test_good_values_pass(name, value):

@@ -173,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         "beside status.json (default 60)",
     )
     ap.add_argument(
+        "--stop-report",
+        metavar="PATH",
+        default="",
+        help=f"where that report goes (default: {LAST_STOP_FILE} beside status.json; a node of a multi-node run, "
+        "whose status.json is on shared storage, keeps its own)",
+    )
+    ap.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- torchrun ARGS... (the torchrun command line)"
     )
     args = ap.parse_args(argv)
@@ -214,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"eagle3.launch: {report['message']}", file=sys.stderr, flush=True)
             try:
-                with open(os.path.join(os.path.dirname(args.status), LAST_STOP_FILE), "w") as f:
+                with open(
+                    args.stop_report or os.path.join(os.path.dirname(args.status), LAST_STOP_FILE), "w"
+                ) as f:
                     json.dump(report, f)
             except OSError:
                 pass

@@ -38,6 +38,7 @@ from eagle3.data import DatasetReader
 from eagle3.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_OOM, ConfigError, DataError, DiskFullError
 from eagle3.metrics import (
     SCALAR_SUM_KEYS,
+    TIMER_KEYS,
     RunFiles,
     StatAccumulator,
     console_line,
@@ -49,6 +50,9 @@ from eagle3.metrics import (
     val_record,
 )
 from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
+from eagle3.nodes import NODE_ROWS, gather_hosts, node_fields
+from eagle3.nodes import own_column as node_table
+from eagle3.observe import Observer, ProgressLine
 from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
 from eagle3.standin import hold_standin_device
 from eagle3.watchdog import Watchdog, fault_hang_step, injected_hang
@@ -139,6 +143,22 @@ def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
     )
 
 
+def check_hsdp_groups(nodes_of: dict[int, int], shard_ranks: int, log) -> None:
+    """Warn when an HSDP shard group (ranks i*shard_ranks ..) spans nodes: still correct, but its all-gathers and
+    reduce-scatters then cross the network. torchrun numbers ranks node by node, so this should not happen.
+
+    >>> check_hsdp_groups({0: 0, 1: 0, 2: 1, 3: 1}, 2, print)
+    >>> check_hsdp_groups({0: 0, 1: 1, 2: 0, 3: 1}, 2, print)
+    warning: hsdp shard group of ranks [0, 1] spans nodes [0, 1]: collectives cross nodes
+    """
+    for start in range(0, len(nodes_of), shard_ranks):
+        ranks = list(range(start, start + shard_ranks))
+        spans = sorted({nodes_of[r] for r in ranks if r in nodes_of})
+        if len(spans) > 1:
+            log(f"warning: hsdp shard group of ranks {ranks} spans nodes {spans}: collectives cross nodes")
+            return
+
+
 def lr_lambda(warmup: int, total: int):
     """Linear warmup, then cosine decay to 10 % of the peak at `total` steps.
 
@@ -209,6 +229,7 @@ class Trainer:
         self.files = files
         self.stop = stop
         self.started = time.time()
+        self.hosts: list[str] = []  # every rank's host name (main(), once the process group is up)
         # main() replaces this with an armed one once the process group is up; off until then.
         self.watchdog = Watchdog(floor_s=0, factor=1, first_step_s=1, checkpoint_s=1)
         # check_data: the dataset, its split and the run options resolved for this device
@@ -264,7 +285,9 @@ class Trainer:
             )
         # dtype, attention, sharding and the TTT keywords, resolved for this device (one function for the
         # trainer, the planner and the benches); flex attention on a CPU device exits 2 here.
-        self.run_options = options.resolve_options(cfg, self.info.device, self.info.world_size)
+        self.run_options = options.resolve_options(
+            cfg, self.info.device, self.info.world_size, nodes=self.info.nodes
+        )
         for note in self.run_options.notes:
             self.log(note)
 
@@ -306,7 +329,16 @@ class Trainer:
 
             # One FSDP2 group over the whole drafter (a single decoder layer, called once per TTT step):
             # parameters, gradients and AdamW state are sharded; compute in bf16, gradients reduced in fp32.
-            mesh = init_device_mesh(device.type, (self.info.world_size,))
+            if run.hsdp:  # HSDP: replicated across the nodes, sharded over the ranks of each node
+                mesh = init_device_mesh(
+                    device.type, (run.nodes, run.shard_ranks), mesh_dim_names=("replicate", "shard")
+                )
+                self.log(
+                    f"sharding: hsdp over {run.nodes} nodes x {run.shard_ranks} ranks (each node holds one "
+                    "sharded copy; gradients are reduced within a node, then averaged across nodes)"
+                )
+            else:
+                mesh = init_device_mesh(device.type, (self.info.world_size,))
             policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
             fully_shard(self.model, mesh=mesh, mp_policy=policy)
             self.step_module = self.model
@@ -468,6 +500,7 @@ class Trainer:
         stopped = False
         prefetch = RowPrefetcher(self)
         hang_at = fault_hang_step(info.rank)  # tests only: EAGLE3_FAULT_HANG_AT_STEP
+        progress = ProgressLine(cfg.progress_every_s, start_step=state.step)
         while state.step < self.total_steps:
             plan = self.plan(state.epoch)
             sample_ids = plan.steps[state.step_in_epoch][info.rank]
@@ -491,6 +524,8 @@ class Trainer:
             # Step boundary: one collective carries the stop flag (and the metrics at log steps).
             is_log = state.step % cfg.log_every == 0 or state.step >= self.total_steps
             stop_now = self.reduce_boundary(acc, state, is_log, window_start)
+            if info.is_main and (line := progress.due(state.step, self.total_steps)):
+                self.log(line)
             if is_log:
                 acc.reset()
                 window_start = time.perf_counter()
@@ -600,24 +635,29 @@ class Trainer:
         slots[0, info.rank] = mem_gb
         if checksummed:
             slots[1, info.rank] = dist_utils.param_checksum(self.model)
-        flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten()])
+        own = dict(zip(SCALAR_SUM_KEYS, acc.scalars.tolist(), strict=True))
+        table = node_table(info.world_size, info.rank, own["tokens"], sum(own[k] for k in TIMER_KEYS))
+        flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten(), table.flatten()])
         flat = dist_utils.all_reduce(flat, info)
         stop_now = bool(flat[0] > 0)
         if not info.is_main:
             return stop_now
         n = acc.stats.numel() + len(SCALAR_SUM_KEYS)
         stats, sums = acc.unflatten(flat[1 : 1 + n])
-        slots = flat[1 + n :].view(2, info.world_size)
+        wall_s = time.perf_counter() - window_start
+        slots = flat[1 + n : 1 + n + 2 * info.world_size].view(2, info.world_size)
+        table = flat[1 + n + 2 * info.world_size :].view(NODE_ROWS, info.world_size)
         record = train_record(
             summarize(stats), dict(zip(SCALAR_SUM_KEYS, sums.tolist(), strict=True)), slots[0].tolist(),
             slots[1].tolist() if checksummed else None, step=state.step, epoch=state.epoch,
-            max_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], wall_s=time.perf_counter() - window_start,
+            max_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], wall_s=wall_s,
             world_size=info.world_size, mem_kind=mem_kind,
         )  # fmt: skip
         print(console_line(record), flush=True)
         self.files.append_metrics(record)
         bound = round(self.watchdog.bound(), 1) if self.watchdog.enabled else None
-        self.files.update_status(**status_fields(record), watchdog_bound_s=bound)
+        nodes = node_fields(table.tolist(), self.hosts, wall_s, own["steps"])
+        self.files.update_status(**status_fields(record), watchdog_bound_s=bound, nodes=nodes)
         return stop_now
 
 
@@ -708,6 +748,7 @@ def main(argv: list[str]) -> int:
     stop.install()
     info = None
     watchdog = None
+    observer = None
     try:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         if cfg.num_threads:
@@ -722,8 +763,17 @@ def main(argv: list[str]) -> int:
             dump_config(cfg, cfg.run_dir)
             files.update_status(phase="starting")
         trainer = Trainer(cfg, describe, files, stop)
+        if rank == 0:  # GPU telemetry, the Prometheus textfile, TensorBoard (eagle3.observe)
+            observer = Observer(cfg, describe.device.type, trainer.log)
+            files.observer = observer.start(lambda: files.status.get("step", 0))
+            files.update_status()
         trainer.check_data()  # bad data exits 2 here, before CUDA or the process group take GPU memory
         info = dist_utils.init(describe, timeout_s=cfg.collective_timeout_s)
+        trainer.hosts = gather_hosts(info)  # each rank's host, for the per-node lines of status.json
+        # More than one node: run_dir must be one shared directory (exit 2 naming the node that cannot see it).
+        nodes_of = dist_utils.check_shared_run_dir(cfg.run_dir, info)
+        if trainer.run_options.hsdp:
+            check_hsdp_groups(nodes_of, trainer.run_options.shard_ranks, trainer.log)
         # Every rank: from here on, no finished step within the bound ends the process with EXIT_HANG.
         watchdog = Watchdog(
             floor_s=cfg.watchdog_floor_s, factor=cfg.watchdog_factor, first_step_s=cfg.watchdog_first_step_s,
@@ -767,6 +817,8 @@ def main(argv: list[str]) -> int:
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if observer is not None:
+            observer.close()
         if info is not None:
             with contextlib.suppress(Exception):
                 dist_utils.shutdown(info)

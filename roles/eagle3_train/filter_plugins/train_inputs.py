@@ -28,7 +28,8 @@ _BOOL_TRUE = {"true", "yes", "on", "1"}  # exactly what ansible.builtin.bool acc
 _BOOL_FALSE = {"false", "no", "off", "0"}
 _BOOL_ALLOWED = "true or false (also yes/no, on/off, 1/0, any case)"
 
-# name -> (kind, constraints). Kinds: seq_len, bool, int, float, nproc, abspath, str, str_list, int_list, dict.
+# name -> (kind, constraints). Kinds: seq_len, bool, int, float, nproc, node_rank, abspath, str ("empty": may be
+# empty), str_list, int_list, dict.
 # int/float/int_list: "min"/"max" inclusive, "below" exclusive. dict: "forbid" keys that the role sets itself.
 # tests/test_train_validation.py holds this table, defaults/main.yml and meta/argument_specs.yml to the same names.
 VARIABLES: dict[str, dict] = {
@@ -45,7 +46,15 @@ VARIABLES: dict[str, dict] = {
     "eagle3_train_python": {"kind": "str"},
     "eagle3_train_nproc": {"kind": "nproc"},
     "eagle3_train_cpu_workers": {"kind": "int", "min": 1},
+    "eagle3_train_nodes": {"kind": "str_list"},
+    "eagle3_train_node_rank": {"kind": "node_rank"},
+    "eagle3_train_node_addr": {"kind": "str"},
     "eagle3_train_rdzv_port": {"kind": "int", "min": 1, "max": 65535},
+    "eagle3_train_run_id": {"kind": "str"},
+    "eagle3_train_rdzv_timeout": {"kind": "int", "min": 1},
+    "eagle3_train_socket_ifname": {"kind": "str", "empty": True},
+    "eagle3_train_nccl_ib_hca": {"kind": "str", "empty": True},
+    "eagle3_train_state_dir": {"kind": "abspath"},
     "eagle3_train_config": {"kind": "dict", "forbid": ("max_seq_len", "data_dir", "run_dir")},
     "eagle3_train_config_overrides": {"kind": "dict", "forbid": ("max_seq_len", "data_dir", "run_dir")},
     "eagle3_train_env": {"kind": "dict"},
@@ -208,12 +217,24 @@ def check(name: str, value, spec: dict) -> str | None:
         n = as_int(value)
         if n is None or n < 1:
             return f"{name}={show(value)} is not a worker count; allowed: auto (one per GPU) or a whole number >= 1"
+    elif kind == "node_rank":
+        if str(value).strip().lower() == "auto":
+            return None
+        n = as_int(value)
+        if n is None or n < 0:
+            return (
+                f"{name}={show(value)} is not a node rank; allowed: auto (the host's position in eagle3_train_nodes) "
+                "or a whole number >= 0"
+            )
     elif kind == "abspath":
         if not isinstance(value, str) or not value.startswith("/"):
             return f"{name}={show(value)} is not an absolute path; allowed: an absolute path on the target, e.g. /var/lib/eagle3"
     elif kind == "str":
-        if not isinstance(value, str) or not value.strip():
-            return f"{name}={show(value)} is empty or not a string; allowed: a non-empty string"
+        if spec.get("empty") and value in ("", None):
+            return None
+        if not isinstance(value, str) or not value.strip() or (spec.get("empty") and any(c.isspace() for c in value)):
+            allowed = "empty or a name without spaces" if spec.get("empty") else "a non-empty string"
+            return f"{name}={show(value)} is empty or not a string; allowed: {allowed}"
     elif kind == "str_list":
         if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
             return (
