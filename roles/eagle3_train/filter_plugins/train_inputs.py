@@ -232,7 +232,11 @@ def check(name: str, value, spec: dict) -> str | None:
     elif kind == "str":
         if spec.get("empty") and value in ("", None):
             return None
-        if not isinstance(value, str) or not value.strip() or (spec.get("empty") and any(c.isspace() for c in value)):
+        if (
+            not isinstance(value, str)
+            or not value.strip()
+            or (spec.get("empty") and any(c.isspace() for c in value))
+        ):
             allowed = "empty or a name without spaces" if spec.get("empty") else "a non-empty string"
             return f"{name}={show(value)} is empty or not a string; allowed: {allowed}"
     elif kind == "str_list":
