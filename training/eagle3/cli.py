@@ -1,4 +1,4 @@
-"""Command line: `python -m eagle3 {train,synth,plan,export,import}` (also the `eagle3` console script)."""
+"""Command line: `python -m eagle3 {train,synth,plan,export,import,report}` (also the `eagle3` console script)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ synth  OUT_DIR [--num-samples N ...]              write a learnable synthetic da
 plan   ...                                        memory planner (eagle3.plan)
 export RUN_DIR OUT_DIR [--checkpoint best|latest|PATH]   speculators format for vLLM
 import SRC OUT --target-weights PATH [--draft-vocab N]   from the speculators offline layout
+report RUN_DIR [RUN_DIR ...] -o report.png|report.html   plots of one run, or several compared
 
 `python -m eagle3 COMMAND --help` lists every option of a command with its type, default and meaning.
 """
@@ -44,6 +45,12 @@ def cmd_synth(argv: list[str]) -> int:
     from eagle3.synth import main as synth_main
 
     return synth_main(argv)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from eagle3.report import main as report_main  # matplotlib is imported there only
+
+    return report_main(argv)
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -149,8 +156,11 @@ def cmd_export(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from eagle3.data import read_index
     from eagle3.export import export_speculators
+    from eagle3.progress import Progress
 
+    bar = Progress(2, "export: load the checkpoint, write the export")  # a bar on a terminal, else lines
     model, path, cfg = load_trained(args.run_dir, args.checkpoint)
+    bar.update()
     name, archs = export_verifier(args, read_index(cfg.data_dir).meta)
     export_speculators(
         model,
@@ -159,6 +169,8 @@ def cmd_export(argv: list[str]) -> int:
         verifier_name_or_path=name,
         verifier_architectures=archs,
     )
+    bar.update()
+    bar.close()
     print(f"exported {path} -> {args.out_dir}", flush=True)
     return EXIT_OK
 
@@ -198,7 +210,7 @@ def cmd_import(argv: list[str]) -> int:
         raise ConfigError(f"--aux-layer-ids {args.aux_layer_ids!r} must name exactly 3 layers")
     index = import_speculators(
         args.src, args.out, target_weights=args.target_weights, draft_vocab_size=args.draft_vocab,
-        aux_layer_ids=aux, dtype=getattr(torch, args.dtype),
+        aux_layer_ids=aux, dtype=getattr(torch, args.dtype), progress=True,
     )  # fmt: skip
     print(f"imported {args.src} -> {index.parent}", flush=True)
     return EXIT_OK
@@ -219,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3.train import main as train_main
 
         return train_main(rest)
-    commands = {"synth": cmd_synth, "plan": cmd_plan, "export": cmd_export, "import": cmd_import}
+    commands = {
+        "synth": cmd_synth, "plan": cmd_plan, "export": cmd_export, "import": cmd_import, "report": cmd_report,
+    }  # fmt: skip
     if command not in commands:
         print(
             f"unknown command {command!r}; use one of train, {', '.join(commands)}\n{USAGE}", file=sys.stderr

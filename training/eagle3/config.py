@@ -202,6 +202,21 @@ class TrainConfig:
     init_from: str = option(
         "", "a speculators-format drafter directory (an export) to start from; empty: random initialisation"
     )
+    # Observability (eagle3.observe; docs/observability.md)
+    telemetry_every_s: float = option(
+        10.0, "seconds between GPU samples (power, utilisation, SM clock, memory) in telemetry.jsonl; 0: off",
+        bound=NON_NEGATIVE,
+    )  # fmt: skip
+    progress_every_s: float = option(
+        60.0, "seconds between progress lines with the ETA in the log (the first at step 1); 0: off",
+        bound=NON_NEGATIVE,
+    )  # fmt: skip
+    prometheus_textfile_dir: str = option(
+        "", "directory of eagle3_train.prom (node_exporter's textfile collector directory); empty: run_dir"
+    )
+    tensorboard: bool = option(
+        True, "TensorBoard event files in run_dir/tensorboard when the tensorboard package is installed"
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -420,6 +420,7 @@ def import_speculators(
     draft_vocab_size: int,
     aux_layer_ids: tuple[int, int, int],
     dtype: torch.dtype = torch.bfloat16,
+    progress: bool = False,
 ) -> Path:
     """Convert `SRC/hidden_states/hs_{i}.safetensors` (`token_ids [S]`, `hidden_states [S, 4, H]`: three aux
     layers then the last layer before the final norm) into the native format.
@@ -441,6 +442,11 @@ def import_speculators(
     vocab, hidden = target["embed"].shape
     writer: DatasetWriter | None = None
     counts = torch.zeros(vocab, dtype=torch.long)
+    bar = None
+    if progress:  # a bar on stderr, plain lines when it is not a terminal
+        from eagle3.progress import Progress
+
+        bar = Progress(len(files), "import: files")
     for path in files:
         i = int(path.stem.split("_")[1])
         tensors = load_tensors(path)
@@ -475,6 +481,10 @@ def import_speculators(
         aux = hs[:, :3, :].reshape(ids.numel(), 3 * hidden)  # [S, 3H]
         writer.add(ids, mask, aux, hs[:, 3, :])
         counts += masked_token_counts(ids, mask, vocab)
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     assert writer is not None
     d2t, t2d = build_vocab_mapping(counts, draft_vocab_size)
     return writer.finish(

@@ -267,6 +267,7 @@ class RunFiles:
     def __init__(self, run_dir: str | os.PathLike, enabled: bool = True):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
+        self.observer = None  # rank 0's eagle3.observe.Observer, once training is set up
         self.status: dict = {
             "phase": "starting",
             "step": 0,
@@ -303,6 +304,8 @@ class RunFiles:
         self.status["updated"] = time.time()
         if self.enabled:
             atomic_write_json(self.run_dir / "status.json", self.status)
+            if self.observer is not None:  # eagle3.observe: the Prometheus textfile follows status.json
+                self.observer.on_status(self.status)
 
     def append_metrics(self, record: dict) -> None:
         if not self.enabled:
@@ -310,3 +313,5 @@ class RunFiles:
         with (self.run_dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+        if self.observer is not None:  # eagle3.observe: TensorBoard, the textfile's rates
+            self.observer.on_record(record)

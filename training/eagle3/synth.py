@@ -31,6 +31,7 @@ import torch
 
 from eagle3.data import DatasetWriter, build_vocab_mapping, masked_token_counts
 from eagle3.errors import ConfigError
+from eagle3.progress import Progress
 
 
 @dataclass
@@ -168,19 +169,22 @@ def sample_lengths(cfg: SynthConfig, g: torch.Generator) -> list[int]:
     return [round(math.exp(lo + (hi - lo) * float(v))) for v in u]
 
 
-def synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int = 128, log=print) -> Path:
-    """Write a native dataset of `cfg.num_samples` documents to `out_dir`; returns the index path."""
+def synthesize(
+    out_dir: str | os.PathLike, cfg: SynthConfig, batch: int = 128, log=print, progress: bool = False
+) -> Path:
+    """Write a native dataset of `cfg.num_samples` documents to `out_dir`; returns the index path. `progress`:
+    a bar on stderr (plain lines when it is not a terminal), documents generated."""
     cfg.validate()
     threads = torch.get_num_threads()
     # The per-token steps are tiny matrix products: one thread is fastest and does not fight other processes.
     torch.set_num_threads(1)
     try:
-        return _synthesize(out_dir, cfg, batch, log)
+        return _synthesize(out_dir, cfg, batch, log, progress)
     finally:
         torch.set_num_threads(threads)
 
 
-def _synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int, log) -> Path:
+def _synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int, log, progress: bool) -> Path:
     started = time.monotonic()
     target = RandomTarget(cfg)
     g = torch.Generator().manual_seed(cfg.seed + 1)
@@ -192,12 +196,17 @@ def _synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int, log) -
     # Batches of similar lengths waste few steps; documents are still written in id order.
     by_length = sorted(range(cfg.num_samples), key=lambda i: lengths[i])
     docs: list[dict | None] = [None] * cfg.num_samples
+    bar = Progress(cfg.num_samples, "synth: documents") if progress else None
     for start in range(0, cfg.num_samples, batch):
         ids = by_length[start : start + batch]
         for i, doc in zip(
             ids, target.generate([lengths[i] for i in ids], [layouts[i] for i in ids]), strict=True
         ):
             docs[i] = doc
+        if bar is not None:
+            bar.update(len(ids))
+    if bar is not None:
+        bar.close()
     for doc in docs:
         assert doc is not None
         writer.add(doc["input_ids"], doc["loss_mask"], doc["aux_hidden"], doc["last_hidden"])
@@ -279,5 +288,5 @@ def main(argv: list[str]) -> int:
         ) from e
     if len(values["aux_layer_ids"]) != 3:
         raise ConfigError(f"--aux-layer-ids {values['aux_layer_ids']} must name exactly 3 layers")
-    synthesize(out_dir, SynthConfig(**values))
+    synthesize(out_dir, SynthConfig(**values), progress=True)
     return 0

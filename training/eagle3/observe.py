@@ -1,0 +1,469 @@
+"""What the trainer shows outside its log: GPU telemetry, a Prometheus textfile, TensorBoard events, progress.
+
+Rank 0 owns one `Observer`. `RunFiles` hands it every status.json update and every metrics.jsonl record; it
+keeps the newest of each and rewrites the textfile, adds TensorBoard scalars (when the `tensorboard` package is
+importable) and samples the GPUs in a background thread into `telemetry.jsonl` beside `metrics.jsonl`. None of
+it may stop training: a failing sink is reported once in the log and then left alone.
+
+The names and units of the textfile are listed in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from eagle3.metrics import format_duration
+
+TELEMETRY_FILE = "telemetry.jsonl"
+PROM_FILE = "eagle3_train.prom"
+TENSORBOARD_DIR = "tensorboard"
+# The same rule as module_utils/nvml.py `is_starved` (the status summary's flag): high utilisation at low power.
+STARVED_MIN_UTILIZATION_PCT = 90.0
+STARVED_MAX_POWER_FRACTION = 0.5
+PHASE_NAMES = {"fetch": "fetch", "fwd": "forward", "bwd": "backward", "opt": "optimizer"}
+STATES = ("starting", "training", "validating", "checkpointing", "done", "stopped", "failed")
+
+
+def is_starved(util_pct: float | None, power_w: float | None, limit_w: float | None) -> bool:
+    """High utilisation at low power: the GPU waits (communication, data), it does not compute.
+
+    >>> is_starved(100, 250, 600), is_starved(100, 476, 600), is_starved(20, 90, 600), is_starved(100, None, 600)
+    (True, False, False, False)
+    """
+    if util_pct is None or power_w is None or not limit_w:
+        return False
+    return util_pct >= STARVED_MIN_UTILIZATION_PCT and power_w < STARVED_MAX_POWER_FRACTION * limit_w
+
+
+# ------------------------------------------------------------------------------------ GPU telemetry
+def nvml_reader() -> tuple[Callable[[], list[dict]] | None, str]:
+    """A function returning one dict per GPU (NVML through nvidia-ml-py, the module torch.cuda's power and
+    utilisation calls use), or None and why not."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "no GPU"
+    except ImportError:  # pragma: no cover - the trainer always has torch
+        return None, "no GPU"
+    try:
+        import pynvml
+    except ImportError:
+        return None, "no NVML: nvidia-ml-py is not installed (torch.cuda.power_draw needs it too)"
+    try:
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError as e:
+        return None, f"no NVML: {e}"
+
+    def value(fn, *args):
+        try:
+            return fn(*args)
+        except pynvml.NVMLError:
+            return None
+
+    def read() -> list[dict]:
+        gpus = []
+        for i in range(count):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            power = value(pynvml.nvmlDeviceGetPowerUsage, h)  # mW
+            limit = value(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)  # mW
+            util = value(pynvml.nvmlDeviceGetUtilizationRates, h)
+            clock = value(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM)  # MHz
+            mem = value(pynvml.nvmlDeviceGetMemoryInfo, h)
+            gpus.append(gpu_sample(
+                i,
+                power_w=None if power is None else power / 1000,
+                power_limit_w=None if limit is None else limit / 1000,
+                util_pct=None if util is None else float(util.gpu),
+                sm_clock_mhz=None if clock is None else float(clock),
+                memory_used_bytes=None if mem is None else float(mem.used),
+                memory_total_bytes=None if mem is None else float(mem.total),
+            ))  # fmt: skip
+        return gpus
+
+    return read, "nvml"
+
+
+def gpu_sample(index: int, **values: float | None) -> dict:
+    """One GPU's sample with its starvation flag.
+
+    >>> gpu_sample(0, power_w=200.0, power_limit_w=600.0, util_pct=99.0)["starved"]
+    True
+    """
+    sample = {"index": index, **values}
+    sample["starved"] = is_starved(values.get("util_pct"), values.get("power_w"), values.get("power_limit_w"))
+    return sample
+
+
+class GpuSampler:
+    """Samples the GPUs every `interval_s` in a daemon thread, appending `telemetry.jsonl` records
+    {"kind": "gpu", "time", "step", "gpus": [...]}. Without a GPU it writes one record with `"gpus": []` and a
+    `note` ("no GPU"), and samples nothing: no value is ever made up."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        interval_s: float,
+        step: Callable[[], int],
+        reader: Callable[[], list[dict]] | None,
+        note: str,
+        on_sample: Callable[[dict], None] | None = None,
+    ):
+        self.path = Path(run_dir) / TELEMETRY_FILE
+        self.interval_s = interval_s
+        self.step = step
+        self.reader = reader
+        self.note = note
+        self.on_sample = on_sample
+        self.latest: dict | None = None
+        self.failed: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample_once(self) -> dict:
+        record = {"kind": "gpu", "time": time.time(), "step": self.step()}
+        if self.reader is None:
+            record.update(gpus=[], note=self.note)
+        else:
+            try:
+                record["gpus"] = self.reader()
+            except Exception as e:  # a driver hiccup must not stop training; say so in the record
+                record.update(gpus=[], note=f"sample failed: {type(e).__name__}: {e}")
+        self.latest = record
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.on_sample is not None:
+            self.on_sample(record)
+        return record
+
+    def start(self) -> GpuSampler:
+        self.sample_once()
+        if self.reader is not None and self.interval_s > 0:
+            self._thread = threading.Thread(target=self._run, name="eagle3-telemetry", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample_once()
+            except OSError as e:
+                self.failed = f"{TELEMETRY_FILE} not written ({e.strerror or e}); telemetry stopped"
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+# ------------------------------------------------------------------------------------ Prometheus
+def _escape(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "NaN"
+    if isinstance(value, float) and math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
+
+
+class PromText:
+    """Metric families in the Prometheus text exposition format (one HELP and TYPE line per family)."""
+
+    def __init__(self, base_labels: dict[str, str]):
+        self.base = base_labels
+        self.families: dict[str, tuple[str, str, list[str]]] = {}
+
+    def add(self, name: str, kind: str, help: str, value: float | None, /, **labels: object) -> None:
+        if value is None:
+            return
+        family = self.families.setdefault(name, (kind, help, []))
+        merged = {**self.base, **{k: str(v) for k, v in labels.items()}}
+        label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in merged.items())
+        family[2].append(f"{name}{{{label_text}}} {_number(value)}")
+
+    def render(self) -> str:
+        out = []
+        for name, (kind, help, samples) in self.families.items():
+            out += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", *samples]
+        return "\n".join(out) + "\n"
+
+
+def prom_text(status: dict, record: dict | None, val: dict | None, gpu: dict | None, tokens_total: float,
+              run: str) -> str:  # fmt: skip
+    """The textfile from the newest status.json fields, train record, validation and GPU sample."""
+    p = PromText({"run": run})
+    phase = status.get("phase")
+    for state in STATES:
+        p.add("eagle3_train_state", "gauge", "1 for the run's current state (status.json phase), else 0",
+              1 if state == phase else 0, state=state)  # fmt: skip
+    p.add("eagle3_train_step", "gauge", "optimizer steps completed", status.get("step"))
+    p.add("eagle3_train_max_steps", "gauge", "optimizer steps the run will take", status.get("max_steps"))
+    p.add("eagle3_train_max_seq_len_tokens", "gauge", "tokens per packed row", status.get("max_seq_len"))
+    p.add("eagle3_train_world_size", "gauge", "ranks (processes) of the run", status.get("world_size"))
+    p.add(
+        "eagle3_train_tokens_total", "counter", "tokens trained on since this process started", tokens_total
+    )
+    p.add("eagle3_train_last_checkpoint_step", "gauge", "step of the newest valid checkpoint",
+          status.get("last_checkpoint_step"))  # fmt: skip
+    p.add("eagle3_train_last_checkpoint_timestamp_seconds", "gauge", "when the newest checkpoint was completed",
+          status.get("last_checkpoint_time"))  # fmt: skip
+    p.add("eagle3_train_eta_seconds", "gauge", "estimated time to the last step", status.get("eta_s"))
+    p.add("eagle3_train_status_updated_timestamp_seconds", "gauge", "when status.json was last written",
+          status.get("updated"))  # fmt: skip
+    if record is not None:
+        p.add(
+            "eagle3_train_tokens_per_second", "gauge", "tokens per second, all ranks", record["tokens_per_s"]
+        )
+        p.add("eagle3_train_step_seconds", "gauge", "wall time of one step (mean over the log window)",
+              record["step_time_s"])  # fmt: skip
+        for key, phase_name in PHASE_NAMES.items():
+            p.add("eagle3_train_step_phase_seconds", "gauge", "time of one step spent in each phase",
+                  record["time_split"].get(key), phase=phase_name)  # fmt: skip
+        p.add("eagle3_train_loss", "gauge", "training loss, mean over the TTT steps", record.get("loss"))
+        p.add("eagle3_train_learning_rate", "gauge", "learning rate", record.get("lr"))
+        for k, v in enumerate(record.get("loss_per_step") or []):
+            p.add("eagle3_train_ttt_loss", "gauge", "training loss per TTT step", v, ttt_step=k)
+        for k, v in enumerate(record.get("full_acc") or []):
+            p.add("eagle3_train_full_accuracy_ratio", "gauge", "top-1 accuracy per TTT step (all positions)", v,
+                  ttt_step=k)  # fmt: skip
+        for k, v in enumerate(record.get("cond_acc") or []):
+            p.add("eagle3_train_conditional_accuracy_ratio", "gauge",
+                  "top-1 accuracy per TTT step where every earlier step was right", v, ttt_step=k)  # fmt: skip
+        kind = record.get("mem_kind", "rss")
+        for rank, gb in enumerate(record.get("peak_mem_gb_per_rank") or []):
+            p.add("eagle3_train_peak_memory_bytes", "gauge", "peak memory per rank (cuda: allocated, rss: CPU RSS)",
+                  gb * 2**30, rank=rank, kind=kind)  # fmt: skip
+    if val is not None:
+        p.add(
+            "eagle3_train_validation_loss",
+            "gauge",
+            "validation loss, mean over the TTT steps",
+            val.get("loss"),
+        )
+        p.add("eagle3_train_acceptance_length_tokens", "gauge",
+              "simulated tokens per draft-and-verify round at the last validation",
+              val.get("acceptance_length"))  # fmt: skip
+    for g in (gpu or {}).get("gpus", []):
+        i = g["index"]
+        p.add("eagle3_gpu_power_watts", "gauge", "GPU power draw", g.get("power_w"), gpu=i)
+        p.add(
+            "eagle3_gpu_power_limit_watts", "gauge", "GPU enforced power limit", g.get("power_limit_w"), gpu=i
+        )
+        util = g.get("util_pct")
+        p.add("eagle3_gpu_utilization_ratio", "gauge", "GPU utilisation (share of time a kernel ran)",
+              None if util is None else util / 100, gpu=i)  # fmt: skip
+        clock = g.get("sm_clock_mhz")
+        p.add("eagle3_gpu_sm_clock_hertz", "gauge", "SM clock", None if clock is None else clock * 1e6, gpu=i)
+        p.add("eagle3_gpu_memory_used_bytes", "gauge", "GPU memory used (all processes)",
+              g.get("memory_used_bytes"), gpu=i)  # fmt: skip
+        p.add("eagle3_gpu_starved", "gauge", "1 when utilisation is high at low power (the GPU waits)",
+              1 if g.get("starved") else 0, gpu=i)  # fmt: skip
+    return p.render()
+
+
+def write_textfile(path: Path, text: str) -> None:
+    """Replace `path` atomically (a temp file in the same directory, then rename), as node_exporter's
+    textfile collector requires: it must never read a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ------------------------------------------------------------------------------------ progress line
+class ProgressLine:
+    """A log line with the ETA every `every_s` seconds (the first at the first step): steps per minute over this
+    start, so a resumed run's ETA counts only what it does now. `clock` is injectable for tests.
+
+    >>> t = [100.0]
+    >>> p = ProgressLine(60, clock=lambda: t[0], start_step=10)
+    >>> p.due(11, 110)
+    'progress: step 11/110 (10.0%), 1 steps in 0s this start, eta ?'
+    >>> t[0] = 130.0; p.due(20, 110) is None
+    True
+    >>> t[0] = 160.0; p.due(40, 110)
+    'progress: step 40/110 (36.4%), 30 steps in 1m00s this start, 30.0 steps/min, eta 2m20s'
+    """
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic, start_step: int = 0):
+        self.every_s = every_s
+        self.clock = clock
+        self.start_step = start_step
+        self.started = clock()
+        self.last: float | None = None
+
+    def due(self, step: int, total: int) -> str | None:
+        if self.every_s <= 0:
+            return None
+        now = self.clock()
+        if self.last is not None and now - self.last < self.every_s:
+            return None
+        self.last = now
+        done, elapsed = step - self.start_step, now - self.started
+        pct = 100 * step / total if total else 100.0
+        rate = ""
+        eta = None
+        if elapsed > 0 and done > 0:
+            per_s = done / elapsed
+            rate = f", {per_s * 60:.1f} steps/min"
+            eta = (total - step) / per_s
+        return (
+            f"progress: step {step}/{total} ({pct:.1f}%), {done} steps in {format_duration(elapsed)} this start"
+            f"{rate}, eta {format_duration(eta)}"
+        )
+
+
+# ------------------------------------------------------------------------------------ the observer
+class Observer:
+    """Rank 0's sinks. `RunFiles` calls `on_status` after each status.json write and `on_record` for each
+    metrics.jsonl record; `start` begins GPU sampling, `close` ends it and flushes."""
+
+    def __init__(self, cfg, device_type: str, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.log = log
+        self.run_dir = Path(cfg.run_dir)
+        self.run = self.run_dir.name or str(self.run_dir)
+        prom_dir = Path(cfg.prometheus_textfile_dir) if cfg.prometheus_textfile_dir else self.run_dir
+        self.prom_path = prom_dir / PROM_FILE
+        self.status: dict = {}
+        self.record: dict | None = None
+        self.val: dict | None = None
+        self.tokens_total = 0.0
+        self.broken: set[str] = set()
+        self.tb = None
+        self.sampler: GpuSampler | None = None
+        self._lock = threading.Lock()
+        self.device_type = device_type
+
+    def start(self, step: Callable[[], int]) -> Observer:
+        self.tb = self._tensorboard()
+        if self.cfg.telemetry_every_s > 0:
+            reader, note = nvml_reader() if self.device_type == "cuda" else (None, "no GPU")
+            self.sampler = GpuSampler(
+                self.run_dir, self.cfg.telemetry_every_s, step, reader, note, self.on_sample
+            )
+            if reader is None:
+                self.log(f"gpu telemetry: {note} (device {self.device_type}); power, utilisation and clocks "
+                         f"are not recorded")  # fmt: skip
+            else:
+                self.log(f"gpu telemetry: every {self.cfg.telemetry_every_s:g} s to {TELEMETRY_FILE}")
+            self._guard("telemetry", self.sampler.start)
+        else:
+            self.log("gpu telemetry: off (telemetry_every_s is 0)")
+        self.log(f"prometheus textfile: {self.prom_path}")
+        return self
+
+    def _tensorboard(self):
+        if not self.cfg.tensorboard:
+            self.log("tensorboard: off (tensorboard: false)")
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self.log("tensorboard: off (the tensorboard package is not installed; pip install tensorboard to get "
+                     f"event files in {self.run_dir / TENSORBOARD_DIR})")  # fmt: skip
+            return None
+        self.log(f"tensorboard: event files in {self.run_dir / TENSORBOARD_DIR}")
+        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+
+    def _guard(self, sink: str, fn: Callable[[], object]) -> None:
+        """Run one sink's write; the first failure is logged, later ones of the same sink are silent."""
+        try:
+            fn()
+        except Exception as e:
+            if sink not in self.broken:
+                self.broken.add(sink)
+                self.log(f"warning: {sink} not written ({type(e).__name__}: {e}); training goes on")
+
+    def on_status(self, status: dict) -> None:
+        self.status = dict(status)
+        self._guard("prometheus textfile", self.write_prom)
+
+    def on_record(self, record: dict) -> None:
+        kind = record.get("kind")
+        if kind == "train":
+            self.record = record
+            self.tokens_total += record.get("tokens") or 0.0
+        elif kind == "val":
+            self.val = record
+        if self.tb is not None:
+            self._guard("tensorboard", lambda: self.tb_scalars(record))
+
+    def on_sample(self, sample: dict) -> None:
+        if self.tb is not None and sample.get("gpus"):
+            self._guard("tensorboard", lambda: self.tb_gpu(sample))
+        self._guard("prometheus textfile", self.write_prom)
+
+    def write_prom(self) -> None:
+        with self._lock:
+            gpu = self.sampler.latest if self.sampler is not None else None
+            write_textfile(self.prom_path, prom_text(self.status, self.record, self.val, gpu, self.tokens_total,
+                                                     self.run))  # fmt: skip
+
+    def tb_scalars(self, record: dict) -> None:
+        for tag, value in tb_values(record).items():
+            self.tb.add_scalar(tag, value, record["step"])
+        self.tb.flush()
+
+    def tb_gpu(self, sample: dict) -> None:
+        for g in sample["gpus"]:
+            for key in ("power_w", "util_pct", "sm_clock_mhz", "memory_used_bytes"):
+                if g.get(key) is not None:
+                    self.tb.add_scalar(f"gpu{g['index']}/{key}", g[key], sample["step"])
+            self.tb.add_scalar(f"gpu{g['index']}/starved", float(g["starved"]), sample["step"])
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            if self.sampler.failed:
+                self.log(f"warning: {self.sampler.failed}")
+        if self.tb is not None:
+            with contextlib.suppress(Exception):
+                self.tb.close()
+
+
+def tb_values(record: dict) -> dict[str, float]:
+    """The scalars of one metrics.jsonl record as TensorBoard tags (`train/...`, `val/...`).
+
+    >>> sorted(tb_values({"kind": "val", "step": 4, "loss": 1.5, "full_acc": [0.5, None],
+    ...                   "acceptance_length": 1.7}).items())
+    [('val/acceptance_length', 1.7), ('val/full_acc_0', 0.5), ('val/loss', 1.5)]
+    """
+    kind = record.get("kind", "train")
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in ("kind", "step", "epoch", "max_steps", "world_size", "batches", "batches_total"):
+            continue
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int | float):
+            out[f"{kind}/{key}"] = float(value)
+        elif isinstance(value, dict):
+            out.update(
+                {f"{kind}/{key}/{k}": float(v) for k, v in value.items() if isinstance(v, int | float)}
+            )
+        elif isinstance(value, list) and key != "param_checksums":
+            out.update(
+                {f"{kind}/{key}_{i}": float(v) for i, v in enumerate(value) if isinstance(v, int | float)}
+            )
+    return out
