@@ -270,6 +270,9 @@ def render_figure(runs: list[Run]):
             )
         drawn = True
     if drawn:
+        ax.set_xticks(
+            range(max(len(r.train[-1].get("peak_mem_gb_per_rank") or [1]) for r in runs if r.train))
+        )
         ax.set_xlabel("rank")
         ax.set_ylabel("peak GiB (cuda: allocated; rss: CPU resident)")
         ax.legend(fontsize=7)
