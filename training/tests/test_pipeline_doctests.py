@@ -20,6 +20,8 @@ MODULES = [
     "eagle3.standin",
     "eagle3.train",
     "eagle3.synth",
+    "eagle3.observe",
+    "eagle3.report",
 ]
 
 
