@@ -69,6 +69,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+hostname:
+  description: The target's host name (the trainer's per-node lines in C(status.json) are keyed by it).
+  type: str
+  returned: always
 run:
   description: The run as one state.
   type: dict
@@ -126,6 +130,7 @@ protected_holders:
 """
 
 import os
+import socket
 import time
 
 from ansible.module_utils.basic import AnsibleModule
@@ -178,6 +183,7 @@ def main():
     )
     module.exit_json(
         changed=False,
+        hostname=socket.gethostname(),
         run=run,
         status=status or {},
         unit={k: unit.get(k) for k in ("ActiveState", "SubState", "Result", "NRestarts", "ExecMainStatus")},

@@ -98,6 +98,67 @@ def _acceptance(status: dict) -> str:
     return f"acceptance length {_f(value, '.2f')} (val, step {step if step is not None else '?'})"
 
 
+def _node_line(n: dict, nodes: list) -> str:
+    ranks = n.get("ranks") or []
+    span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else (str(ranks[0]) if ranks else "?")
+    slowest = max(nodes, key=lambda x: float(x.get("busy_s_per_step") or 0))
+    mark = " (the slowest node)" if slowest is n else ""
+    return (
+        f"node {n.get('node', '?')} of {len(nodes)} ({n.get('host', '?')}, ranks {span}): "
+        f"{_f(n.get('tokens_per_s'), ',.0f')} tokens/s, busy {_f(n.get('busy_s_per_step'), '.2f')} s/step{mark}"
+    )
+
+
+def run_summary(reports: dict, now=None) -> list[str]:
+    """One line for a whole run of several nodes, from every node's train_report result (by inventory name).
+
+    Step and state come from the shared status.json; tokens/s is the sum over the nodes; the slowest node is the
+    one whose ranks were busiest per step (the others wait for it in every collective).
+
+    >>> nodes = [{"node": 0, "host": "ct1", "ranks": [0, 1], "tokens_per_s": 900.0, "busy_s_per_step": 0.5},
+    ...          {"node": 1, "host": "ct2", "ranks": [2, 3], "tokens_per_s": 700.0, "busy_s_per_step": 0.8}]
+    >>> rep = {"run": {"state": "running"}, "unit": {"ActiveState": "active"},
+    ...        "status": {"step": 40, "tokens_per_s": 1600.0, "nodes": nodes}}
+    >>> run_summary({"a": dict(rep, hostname="ct1"), "b": dict(rep, hostname="ct2")})
+    ['run of 2 nodes: step 40, 1,600 tokens/s summed over the nodes (a 900, b 700); slowest node b (ct2, busy 0.80 s/step, fastest 0.50); units: a active, b active']
+    >>> rep["run"]["state"] = "failed"
+    >>> run_summary({"a": dict(rep, hostname="ct1"), "b": {"run": {"state": "stopped"}, "unit": {"ActiveState": "inactive"}}})
+    ['run of 2 nodes: step 40, not running (a failed, b stopped); units: a active, b inactive']
+    """
+    reports = reports or {}
+    names = sorted(reports)
+    units = ", ".join(f"{h} {(reports[h].get('unit') or {}).get('ActiveState', '?')}" for h in names)
+    status = (
+        next(
+            (
+                reports[h].get("status")
+                for h in names
+                if (reports[h].get("status") or {}).get("step") is not None
+            ),
+            {},
+        )
+        or {}
+    )
+    states = {h: (reports[h].get("run") or {}).get("state", "?") for h in names}
+    head = f"run of {len(names)} nodes: step {status.get('step', '?')}"
+    if any(v != "running" for v in states.values()):
+        return [f"{head}, not running ({', '.join(f'{h} {states[h]}' for h in names)}); units: {units}"]
+    nodes = status.get("nodes") or []
+    host_of = {reports[h].get("hostname"): h for h in names}
+    per = {host_of.get(n.get("host"), n.get("host")): n for n in nodes}
+    if not nodes:
+        return [f"{head}, {_f(status.get('tokens_per_s'), ',.0f')} tokens/s; units: {units}"]
+    total = sum(float(n.get("tokens_per_s") or 0) for n in nodes)
+    slow_name, slow = max(per.items(), key=lambda kv: float(kv[1].get("busy_s_per_step") or 0))
+    fastest = min(float(n.get("busy_s_per_step") or 0) for n in nodes)
+    split = ", ".join(f"{h} {_f(n.get('tokens_per_s'), ',.0f')}" for h, n in sorted(per.items()))
+    return [
+        f"{head}, {_f(total, ',.0f')} tokens/s summed over the nodes ({split}); slowest node {slow_name} "
+        f"({slow.get('host', '?')}, busy {_f(slow.get('busy_s_per_step'), '.2f')} s/step, fastest {_f(fastest, '.2f')}); "
+        f"units: {units}"
+    ]
+
+
 def training_summary(
     report: dict | None, gpus: list | None, unit_name: str = "eagle3-train.service", now=None
 ):
@@ -161,6 +222,11 @@ def training_summary(
             lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
     elif s.get("loss") is not None:
         lines.append(f"last loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}")
+    nodes = s.get("nodes") or []
+    if len(nodes) > 1 and state == "running" and not run.get("stalled"):
+        mine = [n for n in nodes if n.get("host") == r.get("hostname")]
+        for n in mine or nodes:
+            lines.append(_node_line(n, nodes))
     accept = _acceptance(s)
     if accept:
         lines.append(accept)
@@ -184,4 +250,4 @@ def training_summary(
 
 class FilterModule:
     def filters(self):
-        return {"training_summary": training_summary}
+        return {"training_summary": training_summary, "run_summary": run_summary}
