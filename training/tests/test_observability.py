@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import shutil
 import struct
 import zlib
@@ -232,3 +233,12 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise():
         p.update()
     p.close()
     assert tty.getvalue().count("\r") >= 4 and "import [" in tty.getvalue() and tty.getvalue().endswith("\n")
+
+
+def test_synth_writes_plain_progress_lines_when_not_on_a_terminal(tmp_path):
+    log = tmp_path / "synth.log"
+    rc = run_trainer(["synth", str(tmp_path / "d"), "--num-samples", "16", "--max-len", "200"], log)
+    text = log.read_text()
+    assert rc == 0, text
+    assert "\r" not in text
+    assert re.search(r"^synth: documents: 16/16 \(100%\) in \S+$", text, re.M), text
