@@ -1,50 +1,10 @@
 # Copyright: eagle3-pve contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""``training_summary``: the lines a person watching a run wants, from status.json, the unit and gpu_facts."""
+"""``training_summary``: the lines a person watching a run wants, from status.json, the unit and gpu_facts;
+``run_summary``: one line for a run of several nodes. Two filters, so ansible-doc reads their documentation from
+training_summary.yml and run_summary.yml beside this file."""
 
 from __future__ import annotations
-
-DOCUMENTATION = r"""
-name: training_summary
-short_description: The lines a person watching an EAGLE-3 training run wants, from train_report and gpu_facts
-description:
-  - Turns the result of the C(train_report) module and the C(gpus) fact of C(gpu_facts) into short lines; the run's
-    state and unit, the failure reason, the last stop that had to kill workers, the step and last checkpoint, the
-    step time split, throughput, memory, loss and ETA, the last validation's simulated acceptance length, GPU
-    holders outside the unit, and one line per GPU (flagging a starved GPU).
-  - Rates and ETA are shown only while the run is running (a stopped or failed run has none; a stalled one shows
-    its last rates as such).
-author: eagle3-pve contributors
-version_added: "0.2.0"
-positional: _input, gpus, unit_name
-options:
-  _input:
-    description: The registered result of C(train_report) (C(run), C(status), C(unit), C(last_stop), holders).
-    type: dict
-    required: true
-  gpus:
-    description: C(ansible_facts.gpus) from C(gpu_facts); empty or null reads "none visible (CPU workers)".
-    type: list
-    elements: dict
-    required: true
-  unit_name:
-    description: The unit's name, for the first line.
-    type: str
-    default: eagle3-train.service
-"""
-
-EXAMPLES = r"""
-- name: Where the run stands, in a few lines
-  ansible.builtin.debug:
-    msg: "{{ report | training_summary(ansible_facts.gpus | default([]), 'eagle3-train.service') }}"
-"""
-
-RETURN = r"""
-_value:
-  description: The summary, one string per line, the run's state first.
-  type: list
-  elements: str
-"""
 
 
 def _f(value, fmt: str, default: str = "?") -> str:
