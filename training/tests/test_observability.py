@@ -242,3 +242,41 @@ def test_synth_writes_plain_progress_lines_when_not_on_a_terminal(tmp_path):
     assert rc == 0, text
     assert "\r" not in text
     assert re.search(r"^synth: documents: 16/16 \(100%\) in \S+$", text, re.M), text
+
+
+def test_nvml_reader_converts_units_and_flags_starvation(monkeypatch):
+    """NVML reports milliwatts and MHz; the samples hold watts and MHz, with the starvation flag (a stand-in
+    pynvml module: this machine has no GPU)."""
+    import sys
+    import types
+
+    import torch
+    from eagle3.observe import nvml_reader
+
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = type("NVMLError", (Exception,), {})
+    fake.NVML_CLOCK_SM = 1
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetCount = lambda: 2
+    fake.nvmlDeviceGetHandleByIndex = lambda i: i
+    fake.nvmlDeviceGetPowerUsage = lambda h: [250_000, 500_000][h]
+    fake.nvmlDeviceGetEnforcedPowerLimit = lambda h: 600_000
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=100, memory=30)
+    fake.nvmlDeviceGetClockInfo = lambda h, kind: 1500 if kind == 1 else 0
+
+    def no_memory(h):
+        raise fake.NVMLError("not supported")
+
+    fake.nvmlDeviceGetMemoryInfo = no_memory
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    read, how = nvml_reader()
+    assert how == "nvml"
+    first, second = read()
+    assert (first["power_w"], first["power_limit_w"], first["util_pct"], first["sm_clock_mhz"]) == (
+        250.0, 600.0, 100.0, 1500.0,
+    )  # fmt: skip
+    assert first["memory_used_bytes"] is None  # not supported: absent, not made up
+    assert first["starved"] is True and second["starved"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert nvml_reader() == (None, "no GPU")
