@@ -265,6 +265,8 @@ def planner_target(tmp_path_factory):
     (base / "play.yml").write_text(PLAY)
     variables = {
         "eagle3_train__nproc": 2,  # deploy.yml decides it: the local CT's two CPU workers
+        "eagle3_train__world_size": 2,  # and the run's (one node)
+        "eagle3_train__layout": {"nnodes": 1},  # nodes.yml: one node
         "gpu_cleanup_unit": "eagle3-train.service",
         "eagle3_train_prefix": str(base / "prefix"),
         "eagle3_train_venv": str(ROOT / ".venv-train"),
