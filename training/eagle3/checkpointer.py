@@ -3,7 +3,9 @@ after every stage. The files themselves (atomic step directories, manifests, ver
 checkpoint.py; this module is what the ranks do around them.
 
     resume  rank 0 verifies and chooses (corrupt ones moved aside), every rank loads the same checkpoint (under
-            FSDP each keeps its shard), the epoch plan is re-placed when world size, max_seq_len or seed changed
+            FSDP each keeps its shard), the epoch plan is re-placed when world size, max_seq_len or seed changed.
+            A checkpoint holds full (unsharded) tensors, so any world size and layout resumes it (DDP, FSDP over
+            all ranks, HSDP): set_model_state_dict / set_optimizer_state_dict re-shard it on load.
     save    rank 0 makes the temporary directory -> agree -> every rank writes its RNG state, rank 0 the weights,
             optimizer, scheduler, trainer state and config -> agree -> rank 0 finalizes (and publishes best)
             -> agree. A failed stage removes the temporary directory on every rank and raises: DiskFullError
@@ -13,6 +15,7 @@ checkpoint.py; this module is what the ranks do around them.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +117,9 @@ class Checkpointer:
         path = Path(found)
         state = ckpt.read_state(path)
         self._load(path)
+        note = self.layout_note(path, state.world_size)
+        if note:
+            self.log(note)
         changed = [
             f"{k} {getattr(state, k)} -> {v}"
             for k, v in (
@@ -137,6 +143,22 @@ class Checkpointer:
             last_checkpoint_step=resumed_at, last_checkpoint_time=ckpt.checkpoint_time(path),
         )  # fmt: skip
         return state
+
+    def layout_note(self, path: Path, saved_world: int) -> str | None:
+        """What re-sharding a checkpoint means here, when it was written under another world size or layout."""
+        try:
+            saved = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            saved = {}
+
+        def layout(world: int, fsdp: bool, shard_layout: str) -> str:
+            return f"{world} ranks, " + (f"fsdp {shard_layout}" if fsdp and world > 1 else "unsharded")
+
+        before = layout(saved_world, saved.get("fsdp", False), saved.get("shard_layout", "full"))
+        after = layout(self.info.world_size, self.cfg.fsdp, self.cfg.shard_layout)
+        if before == after:
+            return None
+        return f"note: checkpoint {path.name} was written with {before}; its full tensors are re-sharded for {after}"
 
     def _load(self, path: Path) -> None:
         """Weights, optimizer, scheduler and this rank's RNG from `path`; a checkpoint of another shape exits 2."""

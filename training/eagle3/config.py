@@ -142,6 +142,10 @@ class TrainConfig:
     fsdp: bool = option(
         False, "FSDP2 fully_shard over the drafter (needs torchrun): bf16 params on CUDA, fp32 grad reduction"
     )
+    shard_layout: str = option(
+        "full", "with fsdp: full shards over all ranks; hsdp shards within a node and replicates across nodes "
+        "(a 2-D mesh, nodes x ranks per node from torchrun)", choices=("full", "hsdp"),
+    )  # fmt: skip
     memory_limit_gb: float = option(
         0.0, "memory per rank in GiB (CUDA: memory fraction, CPU: RLIMIT_AS); 0: off", bound=NON_NEGATIVE
     )

@@ -2,17 +2,26 @@
 
 The trainer runs the same code with one process (no process group) and under torchrun (DDP): every
 collective here is a no-op when the world size is 1.
+
+Node identity comes from torchrun's environment: GROUP_RANK (this node's index, 0 .. nodes-1), LOCAL_RANK and
+LOCAL_WORLD_SIZE (ranks on this node); the number of nodes is WORLD_SIZE / LOCAL_WORLD_SIZE. A run on more than
+one node first checks that run_dir is the same directory on every node (`check_shared_run_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import secrets
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from eagle3.errors import ConfigError
 from eagle3.options import device_type
 
 ALLOC_CONF = "expandable_segments:True"
@@ -24,10 +33,28 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    local_world_size: int = 0  # ranks on this node (LOCAL_WORLD_SIZE); 0: all of them
+    node_rank: int = 0  # this node's index (torchrun's GROUP_RANK)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def multi_node(self) -> bool:
+        """More than one torchrun agent (node) in the run."""
+        return 0 < self.local_world_size < self.world_size
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the run: WORLD_SIZE / LOCAL_WORLD_SIZE; 0 when the nodes run different numbers of ranks.
+
+        >>> cpu = torch.device("cpu")
+        >>> DistInfo(0, 8, 0, cpu, 4).nodes, DistInfo(0, 8, 0, cpu).nodes, DistInfo(0, 6, 0, cpu, 4).nodes
+        (2, 1, 0)
+        """
+        local = self.local_world_size or self.world_size
+        return self.world_size // local if self.world_size % local == 0 else 0
 
     @property
     def enabled(self) -> bool:
@@ -41,6 +68,11 @@ def env_rank() -> tuple[int, int, int]:
         int(os.environ.get("WORLD_SIZE", 1)),
         int(os.environ.get("LOCAL_RANK", 0)),
     )
+
+
+def env_node() -> tuple[int, int]:
+    """(node rank, ranks on this node) from torchrun's GROUP_RANK and LOCAL_WORLD_SIZE, or (0, WORLD_SIZE)."""
+    return int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", env_rank()[1]))
 
 
 def set_cuda_alloc_conf() -> None:
@@ -68,9 +100,11 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
 def describe(requested_device: str) -> DistInfo:
     """Rank, world size and device from the environment, without touching CUDA or the network."""
     rank, world, local = env_rank()
+    node_rank, local_world = env_node()
     return DistInfo(
-        rank=rank, world_size=world, local_rank=local, device=resolve_device(requested_device, local)
-    )
+        rank=rank, world_size=world, local_rank=local, device=resolve_device(requested_device, local),
+        local_world_size=local_world, node_rank=node_rank,
+    )  # fmt: skip
 
 
 def init(info: DistInfo, timeout_s: float = 600.0) -> DistInfo:
@@ -111,6 +145,81 @@ def broadcast_object(obj, info: DistInfo):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+SHARED_MARKER = ".shared-storage-check"
+SHARED_WAIT_S = 5.0  # how long a node looks for the marker (shared file systems may publish a new file late)
+
+
+def shared_storage_verdict(run_dir: str, seen: dict[int, bool], writer: int = 0) -> str | None:
+    """The error for the nodes that did not see the marker of node `writer` (`seen`: node -> saw it), or None.
+
+    >>> print(shared_storage_verdict("/runs/a", {1: True, 2: False}))  # doctest: +ELLIPSIS
+    run_dir /runs/a is not shared storage: node 2 does not see the marker written by node 0 (...
+    >>> shared_storage_verdict("/runs/a", {1: True}) is None
+    True
+    """
+    blind = sorted(node for node, saw in seen.items() if not saw)
+    if not blind:
+        return None
+    who = f"node {blind[0]} does" if len(blind) == 1 else f"nodes {', '.join(map(str, blind))} do"
+    return (
+        f"run_dir {run_dir} is not shared storage: {who} not see the marker written by node {writer} "
+        f"({SHARED_MARKER} with a fresh random nonce); every node must mount the same run_dir at the same path "
+        "(rank 0 writes the checkpoints, every rank reads them on resume): put it on shared storage (NFS, "
+        "CephFS, ...) mounted on every node"
+    )
+
+
+class RunDirNotShared(ConfigError):
+    """run_dir is not one directory on every node (exit 2); `blind_nodes` are the nodes that did not see it."""
+
+    def __init__(self, message: str, blind_nodes: list[int]):
+        super().__init__(message)
+        self.blind_nodes = blind_nodes
+
+
+def check_shared_run_dir(run_dir: str, info: DistInfo, wait_s: float = SHARED_WAIT_S) -> dict[int, int]:
+    """On more than one node: rank 0 writes a random nonce into run_dir, and the first rank of every other node
+    must read it back; otherwise every rank raises RunDirNotShared (a ConfigError: exit 2) with
+    `shared_storage_verdict`'s message.
+    Returns {rank: node rank} of every rank (one gather), {} on a single node, where nothing is checked."""
+    if not info.multi_node:
+        return {}
+    marker = Path(run_dir) / SHARED_MARKER
+    nonce = None
+    if info.is_main:
+        nonce = secrets.token_hex(16)
+        tmp = marker.with_name(f"{SHARED_MARKER}.{nonce}.tmp")
+        with open(tmp, "w") as f:
+            f.write(nonce)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
+    # Also the barrier: the marker exists before anyone looks. Rank 0's node is node 0 under torchrun.
+    nonce, writer = broadcast_object((nonce, info.node_rank), info)
+    saw = None
+    if info.local_rank == 0 and info.node_rank != writer:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                os.listdir(run_dir)  # revalidates the directory on NFS-like file systems
+                saw = marker.read_text().strip() == nonce
+            except OSError:
+                saw = False
+            if saw or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+    gathered = [None] * info.world_size
+    dist.all_gather_object(gathered, (info.rank, info.node_rank, saw))
+    if info.is_main:
+        with contextlib.suppress(OSError):
+            marker.unlink()
+    seen = {node: s for _, node, s in gathered if s is not None}
+    message = shared_storage_verdict(run_dir, seen, writer)
+    if message:
+        raise RunDirNotShared(message, sorted(node for node, s in seen.items() if not s))
+    return {rank: node for rank, node, _ in gathered}
 
 
 def param_checksum(model: torch.nn.Module) -> float:

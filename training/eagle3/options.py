@@ -10,6 +10,9 @@ nowhere else. The trainer (eagle3.train), the memory planner (eagle3.plan) and t
                FSDP's bf16 parameters when sharded)
     attention  auto -> flex on CUDA, exact (blockwise) on CPU; flex on CPU is refused (no backward there)
     sharding   fsdp shards over the ranks; with one rank it shards nothing and the run is unsharded (a note)
+               shard_layout full: one FSDP2 group over all ranks; hsdp: a 2-D mesh (nodes x ranks per node),
+               sharded within a node and replicated across nodes; hsdp without fsdp, or with a world size the
+               node count does not divide, is refused; hsdp on one node shards as full does (a note)
 
 No torch at import time: the planner must start where torch is missing or slow to import.
 """
@@ -79,6 +82,22 @@ class RunOptions:
     ttt_steps: int
     ttt_gamma: float
     notes: tuple[str, ...] = ()  # what the trainer logs about the choices ("note: ...")
+    shard_layout: str = "full"  # full | hsdp, as the config asks
+    nodes: int = 1  # torchrun agents (nodes) in the run
+
+    @property
+    def hsdp(self) -> bool:
+        """FSDP2 over a 2-D mesh: replicated across `nodes`, sharded over the ranks of a node."""
+        return self.sharded and self.shard_layout == "hsdp" and self.nodes > 1
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one copy of the sharded state is spread over: all of them (full), a node's (hsdp).
+
+        >>> RunOptions("cpu", 8, False, False, "exact", True, True, False, 1, 1, 1.0, (), "hsdp", 2).shard_ranks
+        4
+        """
+        return self.world_size // self.nodes if self.hsdp else self.world_size
 
     @property
     def store_frozen_bf16(self) -> bool:
@@ -96,10 +115,12 @@ class RunOptions:
         }
 
 
-def resolve_options(cfg, device, world_size: int = 1) -> RunOptions:
+def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOptions:
     """The run options of a trainer config (eagle3.config.TrainConfig) on `device` with `world_size` ranks.
 
-    `device`: cuda, cpu or auto, or a torch.device. Raises ConfigError for what cannot run (flex on CPU).
+    `device`: cuda, cpu or auto, or a torch.device; `nodes`: torchrun agents (WORLD_SIZE / LOCAL_WORLD_SIZE; 0 when
+    that does not divide, i.e. the nodes run different numbers of ranks).
+    Raises ConfigError for what cannot run (flex on CPU, a shard layout that does not fit the ranks).
 
     >>> from eagle3.config import TrainConfig
     >>> run = resolve_options(TrainConfig(), "cpu")
@@ -110,6 +131,12 @@ def resolve_options(cfg, device, world_size: int = 1) -> RunOptions:
     (True, 'flex', True, True, False)
     >>> resolve_options(TrainConfig(fsdp=True), "cpu").notes
     ('note: fsdp: true with a single process shards nothing; training unsharded',)
+    >>> resolve_options(TrainConfig(fsdp=True, shard_layout="hsdp"), "cpu", world_size=8, nodes=2).shard_ranks
+    4
+    >>> resolve_options(TrainConfig(shard_layout="hsdp"), "cpu", world_size=8, nodes=2)
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: shard_layout=hsdp needs fsdp: true (HSDP is FSDP2 sharded within a node, replicated across nodes); set fsdp: true, or shard_layout: full
     """
     kind = device_type(getattr(device, "type", device))
     attention = attention_for(cfg.attention, kind)
@@ -118,6 +145,9 @@ def resolve_options(cfg, device, world_size: int = 1) -> RunOptions:
     notes = []
     if cfg.fsdp and world_size < 2:
         notes.append("note: fsdp: true with a single process shards nothing; training unsharded")
+    check_layout(cfg.shard_layout, cfg.fsdp, world_size, nodes)
+    if cfg.shard_layout == "hsdp" and cfg.fsdp and nodes == 1 and world_size > 1:
+        notes.append(f"note: shard_layout=hsdp on one node shards over all {world_size} ranks, as full does")
     if kind == "cuda" and cfg.dtype == "fp32":
         notes.append("note: dtype fp32 on CUDA (no autocast); bf16 is faster and smaller")
     return RunOptions(
@@ -133,4 +163,35 @@ def resolve_options(cfg, device, world_size: int = 1) -> RunOptions:
         ttt_steps=cfg.ttt_steps,
         ttt_gamma=cfg.ttt_gamma,
         notes=tuple(notes),
+        shard_layout=cfg.shard_layout,
+        nodes=nodes,
     )
+
+
+def check_layout(layout: str, fsdp: bool, world_size: int, nodes: int) -> None:
+    """Refuse a shard layout the ranks cannot form, naming the sizes.
+
+    >>> check_layout("hsdp", True, 6, 4)
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: shard_layout=hsdp needs the same number of ranks on every node: world size 6 is not a multiple of 4 nodes; start the same --nproc-per-node on every node, or use shard_layout: full
+    """
+    if layout not in ("full", "hsdp"):
+        raise ConfigError(f"shard_layout={layout!r} is not one of full, hsdp")
+    if layout != "hsdp":
+        return
+    if not fsdp:
+        raise ConfigError(
+            "shard_layout=hsdp needs fsdp: true (HSDP is FSDP2 sharded within a node, replicated across nodes); "
+            "set fsdp: true, or shard_layout: full"
+        )
+    if nodes < 1 or world_size % nodes:  # nodes 0: torchrun's agents run different numbers of ranks
+        seen = (
+            f"world size {world_size} is not a multiple of {nodes} nodes"
+            if nodes > 0
+            else (f"world size {world_size} is not a multiple of this node's LOCAL_WORLD_SIZE")
+        )
+        raise ConfigError(
+            f"shard_layout=hsdp needs the same number of ranks on every node: {seen}; start the same "
+            "--nproc-per-node on every node, or use shard_layout: full"
+        )

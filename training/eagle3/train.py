@@ -159,6 +159,20 @@ def check_hsdp_groups(nodes_of: dict[int, int], shard_ranks: int, log) -> None:
             return
 
 
+def check_run_dir_shared(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict[int, int]:
+    """dist_utils.check_shared_run_dir; a node that does not see rank 0's run_dir has a run_dir of its own, where
+    its unit (eagle3.launch) reads status.json: its first rank records the config error there too, so every
+    node's unit exits 2 (no restart), not only node 0's."""
+    try:
+        return dist_utils.check_shared_run_dir(cfg.run_dir, info)
+    except dist_utils.RunDirNotShared as e:
+        if info.local_rank == 0 and info.node_rank in e.blind_nodes:
+            error = {"kind": "config", "message": str(e), "max_seq_len": cfg.max_seq_len}
+            with contextlib.suppress(OSError):
+                RunFiles(cfg.run_dir).update_status(phase="failed", max_seq_len=cfg.max_seq_len, error=error)
+        raise
+
+
 def lr_lambda(warmup: int, total: int):
     """Linear warmup, then cosine decay to 10 % of the peak at `total` steps.
 
@@ -637,7 +651,9 @@ class Trainer:
             slots[1, info.rank] = dist_utils.param_checksum(self.model)
         own = dict(zip(SCALAR_SUM_KEYS, acc.scalars.tolist(), strict=True))
         table = node_table(info.world_size, info.rank, own["tokens"], sum(own[k] for k in TIMER_KEYS))
-        flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten(), table.flatten()])
+        flat = torch.cat(
+            [torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten(), table.flatten()]
+        )
         flat = dist_utils.all_reduce(flat, info)
         stop_now = bool(flat[0] > 0)
         if not info.is_main:
@@ -771,7 +787,7 @@ def main(argv: list[str]) -> int:
         info = dist_utils.init(describe, timeout_s=cfg.collective_timeout_s)
         trainer.hosts = gather_hosts(info)  # each rank's host, for the per-node lines of status.json
         # More than one node: run_dir must be one shared directory (exit 2 naming the node that cannot see it).
-        nodes_of = dist_utils.check_shared_run_dir(cfg.run_dir, info)
+        nodes_of = check_run_dir_shared(cfg, info)
         if trainer.run_options.hsdp:
             check_hsdp_groups(nodes_of, trainer.run_options.shard_ranks, trainer.log)
         # Every rank: from here on, no finished step within the bound ends the process with EXIT_HANG.

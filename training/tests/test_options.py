@@ -114,9 +114,9 @@ def test_neither_side_resolves_on_its_own(tmp_path, data, capsys, monkeypatch):
     calls = []
     real = options.resolve_options
 
-    def odd(cfg, device, world_size=1):
+    def odd(cfg, device, world_size=1, nodes=1):
         calls.append(world_size)
-        resolved = real(cfg, device, world_size)
+        resolved = real(cfg, device, world_size, nodes)
         return dataclasses.replace(
             resolved, loss_chunk_size=384, activation_checkpointing=not resolved.activation_checkpointing
         )

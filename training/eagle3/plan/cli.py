@@ -3,6 +3,11 @@
 
     python -m eagle3 plan --shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing
     python -m eagle3 plan --config train.yaml --world-size 8 --memory-gb 96 --json     # what max_seq_len=auto runs
+    python -m eagle3 plan --shape kimi-k2.5 --nnodes 2 --nproc-per-node 4 --fsdp --shard-layout hsdp --memory-gb 96
+
+Ranks: --world-size alone (one node, as before), or --nnodes with --nproc-per-node (world size = their product;
+a --world-size given too must equal it). --shard-layout hsdp on several nodes shards the FSDP state over the ranks
+of one node only, so each GPU holds larger shards than under full.
 """
 
 from __future__ import annotations
@@ -102,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key/value heads, grouped-query attention (default: the config's, else num-heads)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=None, metavar="INT",
                    help="TTT steps (default: the config's, else 5)")  # fmt: skip
-    p.add_argument("--world-size", type=int, default=1, metavar="INT", help="ranks (GPUs) in the run")
+    p.add_argument("--world-size", type=int, default=None, metavar="INT",
+                   help="ranks (GPUs) in the run (default: nnodes x nproc-per-node, else 1)")  # fmt: skip
+    p.add_argument("--nnodes", type=int, default=1, metavar="INT", help="nodes (torchrun agents) in the run")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="INT",
+                   help="ranks (GPUs) per node (default: world-size / nnodes)")  # fmt: skip
     p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
                    help="memory per GPU in GiB (default: the config's memory_limit_gb)")  # fmt: skip
     p.add_argument(
@@ -117,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", choices=[c for c in config.choices("device") if c != "auto"], default=None,
         help="where the trainer runs (default: the config's, resolved on this machine; else cuda)",
     )  # fmt: skip
-    for key in ("dtype", "attention"):
-        p.add_argument("--" + key, choices=config.choices(key), default=None,
+    for key in ("dtype", "attention", "shard_layout"):
+        p.add_argument("--" + key.replace("_", "-"), choices=config.choices(key), default=None,
                        help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
     p.add_argument("--loss-chunk-size", type=int, default=None, metavar="INT",
                    help=f"{config.SPECS['loss_chunk_size'].help} {shared}")  # fmt: skip
@@ -140,6 +149,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (the Ansible role parses it)")
     return p
+
+
+def resolve_ranks(world_size: int | None, nnodes: int, nproc_per_node: int | None) -> tuple[int, int]:
+    """(world size, nodes) from --world-size, --nnodes and --nproc-per-node.
+
+    >>> resolve_ranks(8, 1, None), resolve_ranks(None, 2, 4), resolve_ranks(8, 2, None), resolve_ranks(None, 1, None)
+    ((8, 1), (8, 2), (8, 2), (1, 1))
+    >>> resolve_ranks(6, 2, 4)
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: --world-size 6 is not --nnodes 2 x --nproc-per-node 4 = 8; give one or make them agree
+    """
+    if (
+        nnodes < 1
+        or (nproc_per_node is not None and nproc_per_node < 1)
+        or (world_size is not None and world_size < 1)
+    ):
+        raise ConfigError(
+            f"--nnodes {nnodes}, --nproc-per-node {nproc_per_node}, --world-size {world_size}: each must be at least 1"
+        )
+    if nproc_per_node is not None:
+        if world_size is not None and world_size != nnodes * nproc_per_node:
+            raise ConfigError(
+                f"--world-size {world_size} is not --nnodes {nnodes} x --nproc-per-node {nproc_per_node} = "
+                f"{nnodes * nproc_per_node}; give one or make them agree"
+            )
+        return nnodes * nproc_per_node, nnodes
+    world = world_size if world_size is not None else nnodes
+    if world % nnodes:
+        raise ConfigError(
+            f"--world-size {world} does not split evenly over --nnodes {nnodes}; give --nproc-per-node instead"
+        )
+    return world, nnodes
 
 
 def _resolve(args) -> tuple[Shape, Options, int, float]:
@@ -180,10 +222,12 @@ def _resolve(args) -> tuple[Shape, Options, int, float]:
     if overrides:
         shape = dataclasses.replace(shape, **overrides)
     shape.drafter_config().validate()  # e.g. num_kv_heads must divide num_heads
-    for key in ("dtype", "attention", "activation_checkpointing", "fsdp", "loss_chunk_size"):
+    for key in ("dtype", "attention", "activation_checkpointing", "fsdp", "loss_chunk_size", "shard_layout"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
-    opts = dataclasses.replace(options_from_config(cfg, device, args.world_size), data_bytes=data_bytes)
+    opts = dataclasses.replace(
+        options_from_config(cfg, device, args.world_size, args.nnodes), data_bytes=data_bytes
+    )
     if args.reserve_gb is not None:
         opts = dataclasses.replace(opts, reserve_gib=args.reserve_gb)
     ttt_steps = args.ttt_steps if args.ttt_steps is not None else ttt_steps
@@ -201,12 +245,19 @@ def format_table(plan: Plan) -> str:
         f"drafter: hidden {plan.shape.hidden_size}, {plan.shape.num_heads} heads x {plan.shape.head_dim} "
         f"({plan.shape.num_kv_heads or plan.shape.num_heads} kv), "
         f"mlp {plan.shape.intermediate_size}, vocab {plan.shape.draft_vocab_size}/{plan.shape.target_vocab_size}; "
-        f"ttt_steps {plan.ttt_steps}, world size {plan.world_size}",
+        f"ttt_steps {plan.ttt_steps}, world size {plan.world_size}"
+        + (f" ({plan.nnodes} nodes x {plan.world_size // plan.nnodes})" if plan.nnodes > 1 else ""),
         "options: "
         + ", ".join(
             f"{k}={v}"
             for k, v in plan.options.describe().items()
             if k in ("activation_checkpointing", "fsdp", "autocast", "attention")
+        ),
+        f"sharding: {plan.shard_layout}"
+        + (
+            f", weights/gradients/AdamW state sharded over {plan.shard_ranks} ranks"
+            if plan.options.fsdp
+            else ""
         ),
         f"static {plan.static_gb:.2f} GiB (reserve included); budget {budget:.2f} GiB "
         f"({plan.memory_gb:g} GiB less {plan.margin:.0%})",
@@ -240,12 +291,14 @@ def choose(plan: Plan, probe_result: dict) -> tuple[str, int, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else sys.argv[1:])
     try:
+        args.world_size, args.nnodes = resolve_ranks(args.world_size, args.nnodes, args.nproc_per_node)
         shape, opts, ttt_steps, memory = _resolve(args)
         lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
         plan = make_plan(
             shape, opts, ttt_steps=ttt_steps, world_size=args.world_size, memory_gb=memory, margin=args.margin,
             lengths=lengths,
         )  # fmt: skip
+        plan.nnodes = args.nnodes
         if args.probe:
             try:
                 result = probe(

@@ -117,6 +117,9 @@ class Options:
     autocast: bf16 autocast (dtype bf16, or auto on CUDA); activations from matmuls are bf16, norms stay fp32.
     frozen_bf16: embedding and target heads in bf16 in the forward (the trainer's choice on CUDA with autocast).
     fsdp: as the config asks (check_options refuses it on one rank, where the trainer would not shard).
+    shard_ranks: the ranks one copy of the FSDP state is sharded over; 0: all of them (shard_layout full). Under
+    HSDP (shard_layout hsdp on several nodes) it is the ranks per node: each node holds a whole sharded copy, so
+    every rank holds 1/shard_ranks of the weights, gradients and AdamW state instead of 1/world_size.
     """
 
     activation_checkpointing: bool = False
@@ -135,6 +138,7 @@ class Options:
     # keeps freed blocks mapped, and the trainer's address space grew 1.43 x as fast as its live tensors (measured:
     # VmPeak of `eagle3 train` at max_seq_len 2048 and 8320, hidden 64); memory_limit_gb there is RLIMIT_AS
     allocator_factor: float = 1.0
+    shard_ranks: int = 0
 
     @classmethod
     def from_run(cls, run: options.RunOptions, **memory) -> Options:
@@ -147,6 +151,7 @@ class Options:
             attention=run.attention,
             loss_chunk_size=run.loss_chunk_size,
             device=run.device,
+            shard_ranks=run.shard_ranks if run.hsdp else 0,
             **memory,
         )
 
@@ -198,6 +203,13 @@ def check_options(opts: Options, world_size: int) -> None:
             f"fsdp does not combine with world_size={world_size}: sharding over one rank saves nothing; "
             "drop --fsdp or plan for --world-size 2 or more"
         )
+    if opts.shard_ranks and not opts.fsdp:
+        raise ConfigError(f"shard_ranks={opts.shard_ranks} (hsdp) needs fsdp: HSDP is FSDP2 within a node")
+    if opts.shard_ranks < 0 or (opts.shard_ranks and world_size % opts.shard_ranks):
+        raise ConfigError(
+            f"hsdp shards over {opts.shard_ranks} ranks per node, which does not divide world_size={world_size}; "
+            "give --nproc-per-node with --nnodes"
+        )
     if opts.frozen_bf16 and not opts.autocast:
         raise ConfigError(
             "frozen bf16 weights do not combine with dtype fp32 (the trainer keeps them in fp32 without autocast)"
@@ -227,6 +239,12 @@ def static_terms(shape: Shape, opts: Options, world_size: int) -> dict[str, int]
     >>> t = static_terms(SHAPES["kimi-k2.5"], Options(fsdp=True), 8)
     >>> round(sum(t.values()) / GIB, 1)
     11.5
+
+    HSDP over 2 nodes x 4 GPUs shards over the 4 ranks of a node, not all 8: larger shards.
+
+    >>> t = static_terms(SHAPES["kimi-k2.5"], Options(fsdp=True, shard_ranks=4), 8)
+    >>> round(sum(t.values()) / GIB, 1)
+    13.7
     """
     p = shape.trainable_params()
     h, vt, vd = shape.hidden_size, shape.target_vocab_size, shape.draft_vocab_size
@@ -238,11 +256,12 @@ def static_terms(shape: Shape, opts: Options, world_size: int) -> dict[str, int]
     }
     if opts.fsdp:
         param_bytes = 2 if opts.autocast else FP32
+        shards = opts.shard_ranks or world_size  # HSDP: the ranks of one node
         terms |= {
-            "weights_fp32_shard": FP32 * p // world_size,
-            "grads_fp32_shard": FP32 * p // world_size,
-            "optimizer_state_shard": opts.optimizer_state_bytes * p // world_size,
-            "frozen_weights_shard": FP32 * frozen // world_size,
+            "weights_fp32_shard": FP32 * p // shards,
+            "grads_fp32_shard": FP32 * p // shards,
+            "optimizer_state_shard": opts.optimizer_state_bytes * p // shards,
+            "frozen_weights_shard": FP32 * frozen // shards,
             "frozen_head_rest": FP32 * rest,
             "fsdp_unsharded_params": param_bytes * (p + frozen),
             "fsdp_unsharded_grads": param_bytes * p,
@@ -586,6 +605,17 @@ class Plan:
     table: list[dict]
     source: str = "analytic"  # or "probe"
     probe: dict | None = None
+    nnodes: int = 1
+
+    @property
+    def shard_layout(self) -> str:
+        """unsharded (DDP or one rank), full (FSDP over all ranks) or hsdp (FSDP within a node)."""
+        return "unsharded" if not self.options.fsdp else "hsdp" if self.options.shard_ranks else "full"
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one copy of the sharded state spans (1 when unsharded)."""
+        return self.options.shard_ranks or self.world_size if self.options.fsdp else 1
 
     def to_json(self) -> dict:
         return {
@@ -596,6 +626,10 @@ class Plan:
             "budget_gb": round(budget_bytes(self.memory_gb, self.margin) / GIB, 3),
             "static_gb": self.static_gb,
             "world_size": self.world_size,
+            "nnodes": self.nnodes,
+            "nproc_per_node": self.world_size // self.nnodes,
+            "shard_layout": self.shard_layout,
+            "shard_ranks": self.shard_ranks,
             "ttt_steps": self.ttt_steps,
             "source": self.source,
             "table": self.table,
@@ -666,10 +700,11 @@ def make_plan(
 # ----------------------------------------------------------------------------------------------- from a trainer config
 
 
-def options_from_config(cfg, device: str, world_size: int = 1) -> Options:
-    """Options of a trainer config (eagle3.config.TrainConfig) on `device` (cuda | cpu | auto), resolved by
-    eagle3.options.resolve_options as the trainer resolves them, with the reserve and allocator of that device."""
-    run = options.resolve_options(cfg, device, world_size)
+def options_from_config(cfg, device: str, world_size: int = 1, nodes: int = 1) -> Options:
+    """Options of a trainer config (eagle3.config.TrainConfig) on `device` (cuda | cpu | auto) and `world_size`
+    ranks on `nodes` nodes, resolved by eagle3.options.resolve_options as the trainer resolves them, with the
+    reserve and allocator of that device."""
+    run = options.resolve_options(cfg, device, world_size, nodes)
     cuda = run.device == "cuda"
     return Options.from_run(
         run,
