@@ -88,6 +88,28 @@ def test_facts_after_uvm_nodes_persistenced_and_mig_caps(tmp_path, capsys):
     assert facts["pve_gpu_host_persistenced_unit_path"] == "/lib/systemd/system/nvidia-persistenced.service"
 
 
+def test_rdma_nodes_are_listed_when_the_node_has_them(tmp_path, capsys):
+    fake_node(tmp_path)
+    assert (
+        run_module(host_facts, dict(root=str(tmp_path)), capsys)["ansible_facts"]["pve_gpu_host_rdma_devices"]
+        == []
+    )
+    (tmp_path / "dev/infiniband").mkdir()
+    for name in ("uverbs1", "uverbs0", "rdma_cm", "umad0", "issm0"):
+        (tmp_path / "dev/infiniband" / name).write_text("")
+    facts = run_module(host_facts, dict(root=str(tmp_path)), capsys)["ansible_facts"]
+    assert facts["pve_gpu_host_rdma_devices"] == [
+        "/dev/infiniband/uverbs0",
+        "/dev/infiniband/uverbs1",
+        "/dev/infiniband/rdma_cm",
+    ]
+    # passed through after the GPUs and control nodes, as plain devN paths
+    devices = pve_gpu.pve_gpu_devices(
+        facts["pve_gpu_host_gpu_devices"], [0], extra=facts["pve_gpu_host_rdma_devices"]
+    )
+    assert [d["path"] for d in devices][-3:] == facts["pve_gpu_host_rdma_devices"]
+
+
 def test_a_node_without_the_nvidia_module_fails_with_the_fix(tmp_path, capsys):
     fake_node(tmp_path, version=None)
     result = run_module(host_facts, dict(root=str(tmp_path)), capsys)

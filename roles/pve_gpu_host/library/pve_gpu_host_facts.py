@@ -8,7 +8,8 @@ short_description: NVIDIA driver version and GPU device nodes of a Proxmox VE no
 description:
   - Reads the loaded NVIDIA kernel module's version from C(/sys/module/nvidia/version) and lists the device
     nodes a container needs for CUDA, the GPUs C(/dev/nvidiaN) (in numeric order) and the control nodes
-    C(/dev/nvidiactl), C(/dev/nvidia-uvm), C(/dev/nvidia-uvm-tools), plus C(/dev/nvidia-caps/*) (MIG only).
+    C(/dev/nvidiactl), C(/dev/nvidia-uvm), C(/dev/nvidia-uvm-tools), plus C(/dev/nvidia-caps/*) (MIG only), and
+    the RDMA nodes of InfiniBand/RoCE adapters (C(/dev/infiniband/uverbsN), C(rdma_cm)) for NCCL across nodes.
   - Also reports where C(nvidia-modprobe) and C(nvidia-persistenced) are installed and whether a
     C(nvidia-persistenced.service) unit exists.
   - Reads files only; it never opens a device, loads a module or signals a process.
@@ -68,6 +69,13 @@ ansible_facts:
       description: MIG capability nodes under /dev/nvidia-caps.
       type: list
       elements: str
+    pve_gpu_host_rdma_devices:
+      description:
+        - RDMA nodes of InfiniBand/RoCE adapters (C(/dev/infiniband/uverbsN) by number, then
+          C(/dev/infiniband/rdma_cm)), which NCCL needs inside a CT to use them; empty on a node without any.
+      type: list
+      elements: str
+      sample: [/dev/infiniband/uverbs0, /dev/infiniband/uverbs1, /dev/infiniband/rdma_cm]
     pve_gpu_host_nvidia_modprobe_path:
       description: Path of nvidia-modprobe, or an empty string.
       type: str
@@ -123,6 +131,18 @@ def gpu_devices(names):
     return ["/dev/" + name for name in sorted(numbered, key=lambda n: int(n[6:]))]
 
 
+def rdma_devices(names):
+    """The RDMA node paths among /dev/infiniband entry names: verbs devices by number, then the connection manager.
+
+    >>> rdma_devices(['uverbs10', 'rdma_cm', 'uverbs2', 'umad0', 'issm0'])
+    ['/dev/infiniband/uverbs2', '/dev/infiniband/uverbs10', '/dev/infiniband/rdma_cm']
+    """
+    verbs = sorted((n for n in names if re.fullmatch(r"uverbs\d+", n)), key=lambda n: int(n[6:]))
+    return ["/dev/infiniband/" + n for n in verbs] + (
+        ["/dev/infiniband/rdma_cm"] if "rdma_cm" in names else []
+    )
+
+
 def find_first(root, dirs, name):
     """The first dir/name that exists under root, as a real path, or ''."""
     for directory in dirs:
@@ -139,12 +159,15 @@ def host_facts(root):
     caps_dir = under(root, "/dev/nvidia-caps")
     caps = sorted("/dev/nvidia-caps/" + n for n in os.listdir(caps_dir)) if os.path.isdir(caps_dir) else []
     control = [p for p in CONTROL_DEVICES if os.path.exists(under(root, p))]
+    ib_dir = under(root, "/dev/infiniband")
+    ib = os.listdir(ib_dir) if os.path.isdir(ib_dir) else []
     return dict(
         pve_gpu_host_driver_version=driver_version(root) or "",
         pve_gpu_host_gpu_devices=gpu_devices(names),
         pve_gpu_host_control_devices=control,
         pve_gpu_host_missing_control_devices=[p for p in CONTROL_DEVICES if p not in control],
         pve_gpu_host_cap_devices=caps,
+        pve_gpu_host_rdma_devices=rdma_devices(ib),
         pve_gpu_host_nvidia_modprobe_path=find_first(root, BIN_DIRS, "nvidia-modprobe"),
         pve_gpu_host_persistenced_path=find_first(root, BIN_DIRS, "nvidia-persistenced"),
         pve_gpu_host_persistenced_unit_path=find_first(root, UNIT_DIRS, "nvidia-persistenced.service"),
