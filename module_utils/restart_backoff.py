@@ -53,6 +53,19 @@ JOURNAL_REASONS = (
 )
 
 
+# What a rendezvous failure means for a run of several nodes, added to the journal line that shows it.
+RENDEZVOUS_HINTS = (
+    (
+        re.compile(r"RendezvousConnectionError|connection to the C10d store|DistNetworkError"),
+        "this node cannot reach the rendezvous store on node 0 (its address and port unreachable, or nothing "
+        "listening there)",
+    ),
+    (
+        re.compile(r"RendezvousTimeoutError|rendezvous .*timed out"),
+        "not every node joined the rendezvous within its join timeout (a node down, unreachable or not started)",
+    ),
+)
+
 # The first words of this script's own journal lines (pre-start and post-stop below).
 OWN_LINES = ("restart back-off:", "run ended:")
 
@@ -109,7 +122,9 @@ def classify_exit(env: dict, status: dict | None, started: float, journal: list[
     ('signal', 'killed by SIGKILL')
     >>> classify_exit({"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "1"}, None, 10,
     ...               ["torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"])
-    ('rendezvous', 'torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError')
+    ... # doctest: +NORMALIZE_WHITESPACE
+    ('rendezvous', 'torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError (not every node joined the
+      rendezvous within its join timeout (a node down, unreachable or not started))')
     >>> classify_exit({"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "137"}, None, 10,
     ...               ["RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:21417",
     ...                "eagle3.launch: the torchrun agent was killed by SIGKILL; unit exit status 137",
@@ -129,7 +144,8 @@ def classify_exit(env: dict, status: dict | None, started: float, journal: list[
     for reason, pattern in JOURNAL_REASONS:
         hit = next((line for line in reversed(journal) if pattern.search(line)), None)
         if hit:
-            return reason, hit.strip()[-300:]
+            hint = next((h for p, h in RENDEZVOUS_HINTS if p.search(hit)), "") if reason == "rendezvous" else ""
+            return reason, hit.strip()[-300:] + (f" ({hint})" if hint else "")
     if code in ("killed", "dumped"):
         return "signal", f"killed by {signal_name(value)}"
     if result == "timeout":

@@ -74,7 +74,7 @@ for w in "${want[@]}"; do
         pytest_stage pytest-trainer "$ROOT/.venv-train/bin/python" "$ROOT/training" tests
         ;;
     molecule)
-        for s in default pve lxc; do
+        for s in default pve lxc multinode; do
             [ -f "molecule/$s/molecule.yml" ] || { printf '\n=== molecule-%s: missing\n' "$s"; failed=$((failed + 1)); failures+=("molecule-$s (missing)"); continue; }
             stage "molecule-$s" molecule test -s "$s"
         done
