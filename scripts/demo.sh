@@ -12,5 +12,7 @@ echo "[demo] provision.yml: local CT 129 (LXC, systemd, stand-in GPUs, no networ
 ansible-playbook provision.yml
 echo "[demo] train.yml -e max_seq_len=$max_seq_len (with the synthetic demo data set, built once)"
 # The demo asks for synthetic data explicitly; a plain train.yml never invents a data set. (JSON: a real boolean.)
+t0=$SECONDS
 ansible-playbook train.yml -e "max_seq_len=$max_seq_len" -e '{"eagle3_train_synth_if_missing": true}'
+echo "[demo] train.yml: healthy after $((SECONDS - t0)) s (clean-up, deploy, start, the first healthy steps)"
 echo "[demo] done. Status any time: ansible-playbook status.yml; stop: ansible-playbook cleanup.yml"
