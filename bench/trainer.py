@@ -90,7 +90,20 @@ def worker_throughput(args) -> dict:
             times.append(time.perf_counter() - t0)
             tokens.append(int((row["document_ids"] >= 0).sum()))
     step = statistics.median(times)
+    doc = rows[1 % len(rows)]["document_ids"]
+    doc_lengths = torch.unique_consecutive(doc[doc >= 0], return_counts=True)[1].tolist()
+    keys = (
+        "hidden_size",
+        "num_heads",
+        "head_dim",
+        "intermediate_size",
+        "draft_vocab_size",
+        "target_vocab_size",
+    )
     return {
+        "shape": {k: getattr(model.cfg, k) for k in (*keys, "num_kv_heads")},
+        "loss_chunk_size": forward["loss_chunk_size"],
+        "doc_lengths": doc_lengths,
         "seq_len": args.seq_len,
         "ttt_steps": args.ttt_steps,
         "step_s": step,
@@ -99,12 +112,12 @@ def worker_throughput(args) -> dict:
     }
 
 
-def worker_saved(args) -> dict:
-    """Bytes saved for backward per token per TTT step at the 1/8-Kimi shape (random weights and row)."""
-    from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
+def eighth_model(s: int, doc_len: int = 512):
+    """The 1/8-Kimi drafter with random target weights and one random packed row of `s` slots (documents of
+    `doc_len`): the issue's shape for the speed and saved-bytes figures."""
+    from eagle3.model import DrafterConfig, Eagle3Drafter
 
-    torch.set_num_threads(args.threads)
-    h, vt, vd, s, t = 896, 20480, 4000, args.seq_len, 5
+    h, vt, vd = 896, 20480, 4000
     cfg = DrafterConfig(
         hidden_size=h, num_heads=8, head_dim=64, intermediate_size=2304, draft_vocab_size=vd,
         target_vocab_size=vt, aux_layer_ids=(2, 30, 58),
@@ -118,7 +131,6 @@ def worker_saved(args) -> dict:
         torch.randn(vt, h, generator=g) * 0.02, torch.ones(h), torch.randn(vt, h, generator=g) * 0.02, t2d,
         chosen - torch.arange(vd),
     )  # fmt: skip
-    doc_len = 512
     doc = torch.arange(s) // doc_len
     row = {
         "input_ids": torch.randint(0, vt, (s,), generator=g),
@@ -128,6 +140,16 @@ def worker_saved(args) -> dict:
         "document_ids": doc,
         "position_ids": torch.arange(s) % doc_len,
     }
+    return model, row
+
+
+def worker_saved(args) -> dict:
+    """Bytes saved for backward per token per TTT step at the 1/8-Kimi shape (random weights and row)."""
+    from eagle3.model import ttt_forward
+
+    torch.set_num_threads(args.threads)
+    s, t = args.seq_len, 5
+    model, row = eighth_model(s)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in model.buffers() if b.numel()}
     out = {
@@ -154,6 +176,126 @@ def worker_saved(args) -> dict:
     return out
 
 
+# The speed table's variants at the 1/8-Kimi shape: (label, activation_checkpointing, loss_chunk_size); None is
+# bench/eager_reference.py. "off": both memory options off; "on": both on (small loss chunks).
+SPEED_VARIANTS = (
+    ("eager reference", None, None),
+    ("off (ckpt off, loss_chunk 0)", False, 0),
+    ("default (loss_chunk 4096)", False, 4096),
+    ("ckpt, loss_chunk 0", True, 0),
+    ("loss_chunk 256", False, 256),
+    ("on (ckpt, loss_chunk 256)", True, 256),
+)
+
+
+def matmul_rate(shapes, dtype=torch.float32, device="cpu", reps: int = 3) -> float:
+    """Best FLOP/s of torch.mm over `shapes` [(m, k, n)] in `dtype`: the practical peak at the step's own shapes."""
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+        torch.mm(a, b)
+        for _ in range(reps):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            best = max(best, 2 * m * k * n / (time.perf_counter() - t0))
+    return best
+
+
+def step_matmul_shapes(shape, s: int) -> list[tuple[int, int, int]]:
+    """The step's largest matmuls (m, k, n): q/k/v from [S, 2H], the MLP up and down, the draft head."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    return [
+        (s, 2 * h, shape.attention_dim + 2 * shape.kv_dim),
+        (s, h, i),
+        (s, i, h),
+        (s, h, shape.draft_vocab_size),
+    ]
+
+
+def worker_speed(args) -> dict:
+    """The speed table: forward + backward at the 1/8-Kimi shape, variants interleaved, `runs` rounds; the matmul
+    microbenchmark runs in every round too (its best is the practical peak)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from eager_reference import reference_step
+    from eagle3 import plan
+    from eagle3.flops import step_flops
+    from eagle3.model import ttt_forward
+
+    torch.set_num_threads(args.threads)
+    s, t = args.seq_len, args.ttt_steps
+    model, row = eighth_model(s)
+    shape = plan.SHAPES["kimi-k2.5-eighth"]
+
+    def run(ckpt, chunk):
+        t0 = time.perf_counter()
+        if ckpt is None:
+            loss, _ = reference_step(model, row, t)
+        else:
+            kw = {"activation_checkpointing": ckpt, "loss_chunk_size": chunk, "attention": "exact"}
+            loss, _ = ttt_forward(model, row, ttt_steps=t, **kw)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    for _, ckpt, chunk in SPEED_VARIANTS:
+        run(ckpt, chunk)  # warm-up
+    times: dict[str, list[float]] = {label: [] for label, _, _ in SPEED_VARIANTS}
+    peak = 0.0
+    for _ in range(args.runs):
+        for label, ckpt, chunk in SPEED_VARIANTS:
+            times[label].append(run(ckpt, chunk))
+        peak = max(peak, matmul_rate(step_matmul_shapes(shape, s)))
+    rows = []
+    for label, ckpt, chunk in SPEED_VARIANTS:
+        f = step_flops(shape, s, t, loss_chunk_size=0 if chunk is None else chunk,
+                       activation_checkpointing=bool(ckpt), doc_len=512)  # fmt: skip
+        useful = step_flops(shape, s, t, loss_chunk_size=0, doc_len=512)["total"]  # the maths, once
+        rows.append({"label": label, "min_s": min(times[label]), "median_s": statistics.median(times[label]),
+                     "flops": f["total"], "useful_flops": useful, "recompute_flops": f["recompute"]})  # fmt: skip
+    out = {"seq_len": s, "ttt_steps": t, "runs": args.runs, "matmul_peak": peak, "rows": rows}
+    if args.profile:
+        out["profile"] = {}
+        for label, ckpt, chunk in (SPEED_VARIANTS[1], SPEED_VARIANTS[-1]):
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run(ckpt, chunk)
+            top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+            total = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1
+            out["profile"][label] = [(e.key, e.self_cpu_time_total / 1e6, e.count, e.self_cpu_time_total / total)
+                                     for e in top]  # fmt: skip
+    return out
+
+
+def print_speed(r: dict) -> None:
+    peak = r["matmul_peak"]
+    by = {row["label"]: row for row in r["rows"]}
+    ref, off = by["eager reference"]["min_s"], by["off (ckpt off, loss_chunk 0)"]["min_s"]
+    print(f"\nstep speed, 1/8-Kimi shape (H 896, 8x64 heads, MLP 2304, V 4000/20480), S={r['seq_len']} (documents of "
+          f"512), ttt_steps {r['ttt_steps']}, fp32, forward+backward, {r['runs']} interleaved runs")  # fmt: skip
+    print(
+        f"matmul microbenchmark (same dtype, the step's shapes, same run): practical peak {peak / 1e9:.1f} GFLOP/s"
+    )
+    print(f"{'variant':<30} {'min s':>7} {'median s':>9} {'x off':>6} {'x ref':>6} {'GFLOP':>7} {'recomp':>7} "
+          f"{'GFLOP/s':>8} {'of peak':>8}")  # fmt: skip
+    for row in r["rows"]:
+        rate = row["useful_flops"] / row["min_s"]
+        print(f"{row['label']:<30} {row['min_s']:>7.2f} {row['median_s']:>9.2f} {row['min_s'] / off:>6.2f} "
+              f"{row['min_s'] / ref:>6.2f} {row['flops'] / 1e9:>7.1f} {row['recompute_flops'] / 1e9:>7.1f} "
+              f"{rate / 1e9:>8.1f} {rate / peak:>8.0%}")  # fmt: skip
+    print("  GFLOP: matmul FLOPs the variant executes (eagle3.flops; the reference is credited with the same maths);"
+          " recomp: of which recomputed;\n  GFLOP/s and of peak: the maths once (the off variant's FLOPs) over the "
+          "min step time, against the matmul peak above")  # fmt: skip
+    for label, top in r.get("profile", {}).items():
+        print(f"\nprofile, {label}: top 5 by self CPU time")
+        for name, secs, calls, frac in top:
+            print(f"  {name:<40} {secs:>7.2f} s {frac:>6.1%} {calls:>6} calls")
+
+
 def run_worker(kind: str, extra: list[str], threads: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(threads), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -165,15 +307,22 @@ def run_worker(kind: str, extra: list[str], threads: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=("throughput", "saved"))
+    p.add_argument("--worker", choices=("throughput", "saved", "speed"))
     p.add_argument("--data")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--lengths", default="2048,8192,16384")
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     p.add_argument("--saved-seq-len", type=int, default=1024)
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--runs", type=int, default=5, help="interleaved rounds of the speed table (min and median)"
+    )
+    p.add_argument("--speed-seq-len", type=int, default=1024)
+    p.add_argument("--speed-ttt-steps", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="print the profile's top 5 of the off and on steps")
+    p.add_argument("--only", choices=("speed", "lengths", "saved"), help="run one table only")
     args = p.parse_args()
     if args.worker == "throughput":
         print(json.dumps(worker_throughput(args)))
@@ -181,13 +330,38 @@ def main() -> int:
     if args.worker == "saved":
         print(json.dumps(worker_saved(args)))
         return 0
+    if args.worker == "speed":
+        print(json.dumps(worker_speed(args)))
+        return 0
 
+    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}, {args.threads} thread(s) per run")  # fmt: skip
+    if args.only in (None, "speed"):
+        runs = 2 if args.quick else args.runs
+        extra = [
+            "--seq-len",
+            str(args.speed_seq_len),
+            "--ttt-steps",
+            str(args.speed_ttt_steps),
+            "--runs",
+            str(runs),
+        ]
+        print_speed(run_worker("speed", extra + (["--profile"] if args.profile else []), args.threads))
+    if args.only in (None, "lengths"):
+        lengths_table(args)
+    if args.only in (None, "saved"):
+        saved_table(args)
+    return 0
+
+
+def lengths_table(args) -> None:
+    """Tokens/s and FLOP/s per max_seq_len at the tiny shape (AdamW included, the config's default options)."""
+    from eagle3 import plan
+    from eagle3.flops import step_flops
     from eagle3.synth import SynthConfig, synthesize
 
     lengths = [2048] if args.quick else [int(v) for v in args.lengths.split(",")]
     steps = 1 if args.quick else args.steps
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, {args.threads} thread(s) per run")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="eagle3_bench_") as tmp:
         # Enough documents for the longest row plus the timed steps.
         need = max(lengths) * (steps + 1)
@@ -195,21 +369,26 @@ def main() -> int:
             tmp, SynthConfig(num_samples=max(64, need // 240 + 16), max_len=512), log=lambda *a, **k: None
         )
         print(f"\ntiny shape (hidden 64, 4x16 heads, MLP 192, V 512/1024), ttt_steps {args.ttt_steps}, exact attention, "
-              f"median of {steps} step(s)")  # fmt: skip
-        print(f"{'max_seq_len':>11} {'step s':>8} {'tokens/s':>9} {'peak RSS GiB':>13}")
+              f"default options, forward+backward+AdamW, median of {steps} step(s)")  # fmt: skip
+        print(f"{'max_seq_len':>11} {'step s':>8} {'tokens/s':>9} {'GFLOP/s':>8} {'peak RSS GiB':>13}")
         for s in lengths:
             r = run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--steps", str(steps),
                                           "--ttt-steps", str(args.ttt_steps)], args.threads)  # fmt: skip
-            print(
-                f"{s:>11} {r['step_s']:>8.2f} {r['tokens_per_s']:>9.0f} {r['peak_rss_gb']:>13.2f}", flush=True
+            shape = plan.Shape(**r["shape"])
+            f = step_flops(
+                shape, s, args.ttt_steps, loss_chunk_size=r["loss_chunk_size"], doc_len=r["doc_lengths"]
             )
+            print(f"{s:>11} {r['step_s']:>8.2f} {r['tokens_per_s']:>9.0f} {f['total'] / r['step_s'] / 1e9:>8.2f} "
+                  f"{r['peak_rss_gb']:>13.2f}", flush=True)  # fmt: skip
+
+
+def saved_table(args) -> None:
     r = run_worker("saved", ["--seq-len", str(args.saved_seq_len)], args.threads)
     print(f"\nbytes saved for backward, {r['shape']}, S={r['seq_len']}, ttt_steps {r['ttt_steps']}:")
     for key, label in (("no_ac", "activation_checkpointing off"), ("ac", "activation_checkpointing on ")):
         v = r[key]
         print(f"  {label}: {v['bytes_per_token_per_step'] / 1024:8.1f} KiB/token/step "
               f"({v['saved_bytes'] / 2**20:.0f} MiB total; hooks do not see what checkpointing keeps in closures)")  # fmt: skip
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,10 +6,17 @@ For supervised positions i with drafter hidden h_i and target last hidden y_i:
     p_d = softmax(lm_head(norm(h_i)))
     KL_i = sum_v p_t[v] * (log p_t[v] - log p_d[v])
 
-`chunked_kl` walks the positions in chunks of `chunk_size`; each chunk runs under non-reentrant
-`torch.utils.checkpoint`, so autograd keeps only the chunk's inputs (views of h and y) and the
-fp32 [chunk, V] tensors exist only while one chunk is computed, in forward and again in backward.
-`eager_kl` is the plain reference (all positions at once) used by the parity tests.
+The gradient is computed in the forward pass (`FusedKL`): d KL_i / d logits = p_d - p_t, so each chunk
+computes its draft and target logits once, turns them into the gradient with respect to norm(h) [chunk, H]
+(and lm_head's when it trains), and keeps only that for backward, which scales it by the incoming gradient.
+Nothing is recomputed and no fp32 [chunk, V] tensor outlives its chunk; what stays is one [N, H] gradient per
+TTT step, the size of the hidden state itself (docs/speed.md).
+
+`chunked_kl` walks the positions in chunks of `chunk_size` (the target logits of each chunk computed there);
+`onepass_kl` takes the target probabilities of the whole row, computed once per row and shared by every TTT
+step (`target_probs`): loss_chunk_size=0. `checkpointed_kl` is the former path (each chunk under
+`torch.utils.checkpoint`, both logits recomputed in backward), kept for the parity tests; `eager_kl` is the
+plain autograd reference (all positions at once).
 
 The model passed in provides `draft_logits(h)` and `target_logits(y)` (see eagle3.model).
 """
@@ -32,17 +39,107 @@ def kl_terms(model, hidden: torch.Tensor, target_hidden: torch.Tensor) -> tuple[
     >>> round(float(kl[0]), 6), ids.tolist()
     (0.0, [1])
     """
-    log_p_draft = F.log_softmax(model.draft_logits(hidden).float(), dim=-1)  # [N, V]
+    log_p_draft = F.log_softmax(_acc(model.draft_logits(hidden)), dim=-1)  # [N, V]
     with torch.no_grad():
-        log_p_target = F.log_softmax(model.target_logits(target_hidden).float(), dim=-1)  # [N, V]
+        log_p_target = F.log_softmax(_acc(model.target_logits(target_hidden)), dim=-1)  # [N, V]
         p_target = log_p_target.exp()  # [N, V]
     kl = (p_target * (log_p_target - log_p_draft)).sum(-1)  # [N]
     return kl, log_p_draft.detach().argmax(-1)
 
 
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Logits in the loss dtype: fp32 for bf16/fp32, fp64 stays fp64 (the parity tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _weighted_chunk(model, hidden, target_hidden, weight):
     kl, draft_ids = kl_terms(model, hidden, target_hidden)
     return (kl * weight).sum(), kl.detach(), draft_ids
+
+
+@torch.no_grad()
+def target_probs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target probabilities p_t [N, V] fp32 and sum_v p_t log p_t [N] (minus the entropy) from target logits.
+
+    >>> p, neg_entropy = target_probs(torch.zeros(1, 4))
+    >>> p.tolist(), round(float(neg_entropy[0]), 6)
+    ([[0.25, 0.25, 0.25, 0.25]], -1.386294)
+    """
+    log_p = F.log_softmax(_acc(logits), dim=-1)
+    p = log_p.exp()
+    return p, (p * log_p).sum(-1)
+
+
+class FusedKL(torch.autograd.Function):
+    """sum_i w_i KL_i for draft logits lm_head(norm(h)) against fixed target probabilities, the gradient made in
+    forward.
+
+    Inputs: the pre-norm hidden state h [N, H], the final norm's weight [H], the lm_head weight W [V, H], p_t [N, V]
+    and neg_entropy [N] (target_probs), w [N], the norm's eps and which gradients are wanted. The norm is
+    RMSNorm as eagle3.model computes it, differentiated by hand: for n = h r, r = rsqrt(mean(h^2) + eps) and
+    x = weight * n, dL/dh = r (g - n mean(g n)) with g = weight * dL/dx. What is kept for backward is dL/dh
+    [N, H] in h's dtype (and the weights' gradients); backward scales them by the incoming gradient.
+    Returns (sum_i w_i KL_i, KL [N] detached, draft argmax [N]).
+    """
+
+    @staticmethod
+    def forward(ctx, h, norm_w, w_head, p_t, neg_entropy, weight, eps: float, need: tuple[bool, bool, bool]):
+        h32 = _acc(h)
+        r = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)  # [N, 1]
+        n32 = h32 * r  # [N, H]
+        normed = n32.to(h.dtype)
+        x = norm_w * normed  # as RMSNorm.forward
+        logits = _acc(torch.matmul(x.to(w_head.dtype), w_head.t()))  # [N, V]
+        draft_ids = logits.argmax(-1)
+        logits -= torch.logsumexp(logits, -1, keepdim=True)  # log p_d, in place
+        kl = neg_entropy - (p_t * logits).sum(-1)  # [N]
+        total = (kl * weight).sum()
+        grads = [None, None, None]
+        if any(need):
+            d_logits = logits.exp_().sub_(p_t).mul_(weight[:, None]).to(w_head.dtype)  # w_i (p_d - p_t)
+            if need[2]:
+                grads[2] = torch.matmul(d_logits.t(), x.to(w_head.dtype)).to(w_head.dtype)  # [V, H]
+            del logits
+            gx = _acc(torch.matmul(d_logits, w_head))  # [N, H]
+            del d_logits
+            if need[1]:
+                grads[1] = (gx * _acc(normed)).sum(0).to(norm_w.dtype)  # [H]
+            if need[0]:
+                g = gx * _acc(norm_w)
+                grads[0] = (r * (g - n32 * (g * n32).mean(-1, keepdim=True))).to(h.dtype)  # [N, H]
+        ctx.grads = grads
+        if hasattr(ctx, "mark_non_differentiable"):
+            ctx.mark_non_differentiable(kl, draft_ids)
+        return total, kl, draft_ids
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_kl, _grad_ids):
+        grads, ctx.grads = ctx.grads, None
+        scaled = [None if g is None else g * grad_total.to(g.dtype) for g in grads]
+        return (*scaled, None, None, None, None, None)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when nothing needs a gradient (validation, no_grad)."""
+
+
+def fused_kl(model, hidden, p_t, neg_entropy, weight):
+    """One FusedKL call with the draft side of `model`: its final norm and lm_head."""
+    norm_w, head = model.norm.weight, model.lm_head.weight
+    grad = torch.is_grad_enabled()
+    need = (grad and hidden.requires_grad, grad and norm_w.requires_grad, grad and head.requires_grad)
+    if not any(need):
+        with torch.no_grad():
+            return FusedKL.forward(
+                _NoCtx(), hidden, norm_w, head, p_t, neg_entropy, weight, model.norm.eps, need
+            )
+    return FusedKL.apply(hidden, norm_w, head, p_t, neg_entropy, weight, model.norm.eps, need)
+
+
+def onepass_kl(model, hidden, p_t, neg_entropy, weight):
+    """loss_chunk_size=0: every position at once against the row's shared target probabilities (no recompute)."""
+    total, kl, ids = fused_kl(model, hidden, p_t, neg_entropy, weight)
+    return total, kl, ids
 
 
 def chunked_kl(
@@ -54,8 +151,40 @@ def chunked_kl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sum_i weight_i * KL_i (scalar, differentiable), KL_i [N] (detached) and draft argmax [N].
 
-    hidden, target_hidden: [N, H]; weight: [N] fp32 (0 for unsupervised positions).
+    hidden, target_hidden: [N, H]; weight: [N] fp32 (0 for unsupervised positions). Chunks of `chunk_size`
+    positions through FusedKL: the target logits of a chunk made there, nothing recomputed in backward.
     """
+    if chunk_size < 1:
+        raise ValueError(f"loss_chunk_size={chunk_size} must be at least 1, for example 4096")
+    n = hidden.shape[0]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    kls, ids = [], []
+    for a in range(0, n, chunk_size):
+        b = min(a + chunk_size, n)
+        with torch.no_grad():
+            p_t, neg_entropy = target_probs(model.target_logits(target_hidden[a:b]))
+        part, kl, draft_ids = fused_kl(model, hidden[a:b], p_t, neg_entropy, weight[a:b])
+        del p_t
+        total = total + part
+        kls.append(kl)
+        ids.append(draft_ids)
+    if not kls:
+        return (
+            total,
+            hidden.new_zeros(0, dtype=torch.float32),
+            torch.zeros(0, dtype=torch.long, device=hidden.device),
+        )
+    return total, torch.cat(kls), torch.cat(ids)
+
+
+def checkpointed_kl(
+    model,
+    hidden: torch.Tensor,
+    target_hidden: torch.Tensor,
+    weight: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The former chunked path: each chunk under non-reentrant checkpoint, both logits recomputed in backward."""
     if chunk_size < 1:
         raise ValueError(f"loss_chunk_size={chunk_size} must be at least 1, for example 4096")
     n = hidden.shape[0]

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from eagle3.attention import TTTAttention, validate_document_ids
 from eagle3.errors import ConfigError, DataError
-from eagle3.loss import DEFAULT_CHUNK_SIZE, chunked_kl
+from eagle3.loss import DEFAULT_CHUNK_SIZE, chunked_kl, onepass_kl, target_probs
 
 STAT_KEYS = (
     "loss_sum",
@@ -213,7 +213,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64: the parity tests)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -419,18 +419,25 @@ class Eagle3Drafter(nn.Module):
         return _linear(self.verifier_lm_head, self.verifier_norm(last_hidden))
 
     @torch.no_grad()
-    def target_token_ids(self, last_hidden: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    def target_token_ids(
+        self, last_hidden: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE, probs: list | None = None
+    ):
         """Target argmax per slot: (draft-vocab-restricted id in draft space [S], true id in target space [S] or None).
 
         The true id needs the head rows outside the draft vocab (load_target_weights(keep_full_head=True)).
+        chunk_size 0: the whole row at once. `probs`, a list: the target probabilities and neg-entropies of each
+        chunk (eagle3.loss.target_probs) are appended to it, for the one-pass loss to share over the TTT steps.
         """
         restricted, true = [], []
         full = getattr(self, "_full_head", False)
+        chunk_size = chunk_size or max(last_hidden.shape[0], 1)
         for a in range(0, last_hidden.shape[0], chunk_size):
             y = self.verifier_norm(last_hidden[a : a + chunk_size])  # [C, H]
             logits = _linear(self.verifier_lm_head, y)  # [C, V_draft]
             best, best_id = logits.max(-1)
             restricted.append(best_id)
+            if probs is not None:
+                probs.append(target_probs(logits))
             if not full:
                 continue
             as_target = best_id + self.d2t[best_id]
@@ -577,7 +584,16 @@ def _ttt_loss(
     device = model.fc.weight.device
     batch = {k: v.to(device) for k, v in batch.items()}
     last_hidden = batch["last_hidden"]
-    restricted_ids, true_ids = model.target_token_ids(last_hidden, loss_chunk_size)  # [S], [S]
+    if loss_chunk_size < 0:
+        raise ConfigError(
+            f"loss_chunk_size={loss_chunk_size} must be 0 (one pass) or a chunk size, e.g. 4096"
+        )
+    shared: list | None = [] if loss_chunk_size == 0 else None  # one pass: the target side once per row
+    restricted_ids, true_ids = model.target_token_ids(last_hidden, loss_chunk_size, shared)  # [S], [S]
+    if shared is not None:
+        p_target, neg_entropy = (
+            shared[0] if shared else (last_hidden.new_zeros(0, 1), last_hidden.new_zeros(0))
+        )
     if "target_ids" in batch:
         true_ids = batch["target_ids"].long()
     if true_ids is None:
@@ -596,7 +612,14 @@ def _ttt_loss(
         n = valid.shape[0]
         count = supervised.sum()
         weight = supervised.float() * (gamma**step / count.clamp(min=1).float())  # [n]
-        part, kl, draft_ids = chunked_kl(model, hidden[:n], last_hidden[1 + step :], weight, loss_chunk_size)
+        if shared is not None:
+            part, kl, draft_ids = onepass_kl(
+                model, hidden[:n], p_target[1 + step :], neg_entropy[1 + step :], weight
+            )
+        else:
+            part, kl, draft_ids = chunked_kl(
+                model, hidden[:n], last_hidden[1 + step :], weight, loss_chunk_size
+            )
         loss = loss + part
         target_slot = torch.arange(n, device=device) + 1 + step
         right = draft_ids == restricted_ids[target_slot]  # [n]

@@ -87,3 +87,54 @@ def test_zero_chunk_size_is_refused_with_a_hint(make_model):
     hidden, target_hidden, weight = _inputs(model, 4)
     with pytest.raises(ValueError, match="loss_chunk_size=0 must be at least 1"):
         chunked_kl(model, hidden, target_hidden, weight, 0)
+
+
+def _ttt_run(make_model, cfg, batch, **kw):
+    from eagle3.model import ttt_forward
+
+    model = make_model(cfg, dtype=torch.float64)
+    loss, stats = ttt_forward(model, batch, ttt_steps=3, attention="exact", **kw)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), stats, grads
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 40, 4096])
+def test_ttt_loss_paths_agree_with_the_checkpointed_one(
+    make_model, make_row, tiny_config, monkeypatch, chunk
+):
+    """loss_chunk_size 0 (one pass, target shared over the steps) and chunked FusedKL give the former checkpointed
+    path's loss, statistics and gradients (lm_head training, so its gradient made in forward is checked too)."""
+    import eagle3.model as model_module
+
+    cfg = tiny_config(train_lm_head=True)
+    row = make_row(cfg, [50, 30, 20], seq_len=128, mask_prob=0.8)
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in row.items()}
+    loss, stats, grads = _ttt_run(make_model, cfg, batch, loss_chunk_size=chunk)
+    monkeypatch.setattr(model_module, "chunked_kl", loss_module.checkpointed_kl)
+    ref_loss, ref_stats, ref_grads = _ttt_run(make_model, cfg, batch, loss_chunk_size=40)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for key in ref_stats:
+        torch.testing.assert_close(stats[key], ref_stats[key], rtol=1e-12, atol=1e-12, msg=key)
+    assert grads.keys() == ref_grads.keys() and "lm_head.weight" in grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_fused_kl_keeps_no_vocab_sized_tensor_for_backward(make_model):
+    """FusedKL leaves no fp32 [N, V] logits for backward (saved-tensor hooks see nothing vocab-sized; what it keeps
+    is the [N, H] gradient of h), and backward still reaches h."""
+    model = make_model()
+    n, vocab = 300, model.cfg.draft_vocab_size
+    hidden, target_hidden, weight = _inputs(model, n)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _, _ = chunked_kl(model, hidden, target_hidden, weight, 1000)
+    assert all(size < n * vocab for size in sizes)
+    loss.backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0

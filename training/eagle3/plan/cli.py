@@ -270,6 +270,20 @@ def format_table(plan: Plan) -> str:
     lines.append(
         f"largest fitting: max_seq_len={plan.max_seq_len} ({plan.predicted_gb:.2f} GiB predicted, {plan.source})"
     )
+    if plan.loss_chunk_size is not None:
+        lines.append(
+            f"loss: loss_chunk_size={plan.loss_chunk_size} fits at that length"
+            + (
+                " (one pass, the fastest)"
+                if plan.loss_chunk_size == 0
+                else " (memory needs the chunked loss)"
+            )
+            + (
+                f"; the config has {plan.options.loss_chunk_size}"
+                if plan.options.loss_chunk_size != plan.loss_chunk_size
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 

@@ -216,8 +216,10 @@ def check_options(opts: Options, world_size: int) -> None:
         )
     if world_size < 1:
         raise ConfigError(f"world_size={world_size} must be at least 1")
-    if opts.loss_chunk_size < 1:
-        raise ConfigError(f"loss_chunk_size={opts.loss_chunk_size} must be at least 1, for example 4096")
+    if opts.loss_chunk_size < 0:
+        raise ConfigError(
+            f"loss_chunk_size={opts.loss_chunk_size} must be 0 (one pass over the row) or a chunk, for example 4096"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- static
@@ -321,6 +323,7 @@ def step_held_terms(shape: Shape, seq_len: int, step: int, opts: Options) -> dic
         "step_output": s * lp * h,  # the new hidden: input of the next step and of the loss chunks
         "rope_tables": s * 2 * FP32 * shape.head_dim,  # cos, sin
         "loss_weight": s * FP32,
+        "loss_grad": s * lp * h,  # FusedKL: the gradient of the step output, made in forward (loss.py)
         "lse": s * FP32 * nh,
     }
     kv = shape.kv_dim  # keys and values are kv_heads wide (grouped-query attention); q and the output are not
@@ -381,6 +384,7 @@ def checkpointed_step_terms(
         "rope_tables": s * 2 * FP32 * shape.head_dim,
         "token_ids": s * 8,
         "loss_weight": s * FP32,
+        "loss_grad": s * lp * shape.hidden_size,  # FusedKL: the gradient of the step output, made in forward
         "norm_output": norm_output_bytes(shape, seq_len, opts) if step and shape.norm_output else 0,
     }
 
@@ -403,9 +407,9 @@ def activation_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) 
 
     >>> kimi = SHAPES["kimi-k2.5"]
     >>> round(activation_bytes(kimi, 32768, 5, Options()) / GIB, 1)
-    71.3
+    73.5
     >>> round(activation_bytes(kimi, 32768, 5, Options(activation_checkpointing=True)) / GIB, 1)
-    6.0
+    8.2
     """
     return sum(activation_terms(shape, seq_len, ttt_steps, opts).values())
 
@@ -461,9 +465,10 @@ def exact_block_elements(seq_len: int, block: int = EXACT_BLOCK) -> int:
 def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> dict[str, int]:
     """The backward phases on top of the held bytes; the peak adds the largest (returned as a dict of phases).
 
-    loss_chunk: chunked_kl recomputes one chunk under its checkpoint: draft and target log-probabilities, target
-    probabilities, their difference and product, five fp32 [chunk, V] at once; plus the [S, H] gradient of the
-    step output the chunk gradients are accumulated into.
+    loss_chunk: the forward of the last step's loss (FusedKL makes the gradient there, nothing is recomputed): target
+    probabilities, draft logits turned in place into log-probabilities and then into the logit gradient, their
+    product, the matmul outputs: four fp32 [chunk, V] at once; loss_chunk_size 0 (one pass) adds the target
+    probabilities of the whole row, made once and shared by every TTT step.
     decoder_step: backward of the last TTT step. MLP phase: the hidden gradient and three [S, I] gradients.
     Attention phase (the MLP and post-attention norm tensors of the step are freed by then): the gradients of q
     and of every K/V of steps 0..k (fp32 accumulators in the exact path, the flex outputs and rotary fp32
@@ -472,9 +477,10 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
     """
     h, a, i, nh = shape.hidden_size, shape.attention_dim, shape.intermediate_size, shape.num_heads
     lp, s, k = opts.act_bytes, seq_len, ttt_steps - 1
-    chunk = min(opts.loss_chunk_size, s)
+    chunk = min(opts.loss_chunk_size or s, s)
     grad_h = s * lp * h
-    loss_chunk = 5 * FP32 * chunk * shape.draft_vocab_size + (grad_h if chunk < s else 0)
+    shared = FP32 * s * shape.draft_vocab_size if opts.loss_chunk_size == 0 else 0
+    loss_chunk = 4 * FP32 * chunk * shape.draft_vocab_size + shared
     last = step_held_terms(shape, seq_len, k, opts)
     mlp_phase = 2 * grad_h + s * 3 * i * lp
     kv = shape.kv_dim
@@ -528,7 +534,7 @@ def predict_peak_bytes(shape: Shape, seq_len: int, ttt_steps: int, opts: Options
     >>> kimi = SHAPES["kimi-k2.5"]
     >>> on = Options(activation_checkpointing=True, fsdp=True)
     >>> round(predict_peak_bytes(kimi, 32768, 5, on, world_size=8) / GIB, 1)
-    36.8
+    39.4
     """
     dynamic = max(dynamic_bytes(shape, seq_len, ttt_steps, opts), reduce_phase_bytes(shape, opts))
     growing = int((batch_bytes(shape, seq_len, opts) + dynamic) * opts.allocator_factor)
@@ -606,6 +612,8 @@ class Plan:
     source: str = "analytic"  # or "probe"
     probe: dict | None = None
     nnodes: int = 1
+    # the loss chunking memory needs at max_seq_len: 0 (one pass, fastest) when it fits, else a chunk size
+    loss_chunk_size: int | None = None
 
     @property
     def shard_layout(self) -> str:
@@ -636,6 +644,7 @@ class Plan:
             "options": self.options.describe(),
             "shape": dataclasses.asdict(self.shape),
             "probe": self.probe,
+            "loss_chunk_size": self.loss_chunk_size,
         }
 
 
@@ -694,7 +703,31 @@ def make_plan(
         predicted_gb=round(predict(chosen) / GIB, 3),
         static_gb=static_gb,
         table=table,
+        loss_chunk_size=loss_chunk_choice(shape, chosen, ttt_steps, opts, world_size, budget),
     )
+
+
+LOSS_CHUNKS = (4096, 2048, 1024, 512, 256)
+
+
+def loss_chunk_choice(
+    shape: Shape, seq_len: int, ttt_steps: int, opts: Options, world_size: int, budget: int
+):
+    """The loss chunking memory needs at `seq_len`: 0 (one pass over the row, nothing recomputed, the target side
+    made once; the fastest, docs/speed.md) when its peak fits `budget`, else the largest chunk of LOSS_CHUNKS
+    that fits, else None.
+
+    >>> kimi = SHAPES["kimi-k2.5"]
+    >>> loss_chunk_choice(kimi, 8192, 5, Options(activation_checkpointing=True, fsdp=True), 8, budget_bytes(141, 0.1))
+    0
+    >>> loss_chunk_choice(kimi, 145280, 5, Options(activation_checkpointing=True, fsdp=True), 8, budget_bytes(141, 0.1))
+    4096
+    """
+    for chunk in (0, *LOSS_CHUNKS):
+        o = dataclasses.replace(opts, loss_chunk_size=chunk)
+        if predict_peak_bytes(shape, seq_len, ttt_steps, o, world_size) <= budget:
+            return chunk
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- from a trainer config
