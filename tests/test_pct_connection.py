@@ -344,6 +344,30 @@ def test_unreachable_node_is_reported_unreachable_by_ansible(fake_pct, dead_ssh,
 # --- files: streamed in, fetched atomically -------------------------------------------------------------------
 
 
+def test_put_file_leaves_the_controller_file_alone(tmp_path):
+    """lxc-attach (pct exec) fchmods its standard streams: handed the source file itself as stdin, it would make
+    the controller's file mode 0700 (seen with the role's own module_utils files). A stand-in does the same."""
+    script = tmp_path / "pct"
+    script.write_text(
+        textwrap.dedent(f"""\
+        #!{sys.executable}
+        import os, stat, sys
+        if stat.S_ISREG(os.fstat(0).st_mode):
+            os.fchmod(0, 0o700)  # what lxc-attach does to a regular file on its stdin
+        os.execvp(sys.argv[4], sys.argv[4:])
+        """)
+    )
+    script.chmod(0o755)
+    conn = make_connection(script)
+    src = tmp_path / "gpu_guard.py"
+    src.write_bytes(b"print('guard')\n" * 1000)
+    src.chmod(0o644)
+    dest = tmp_path / "copy.py"
+    conn.put_file(str(src), str(dest))
+    assert dest.read_bytes() == src.read_bytes()
+    assert oct(src.stat().st_mode & 0o7777) == "0o644"
+
+
 def test_put_file_streams_a_file_larger_than_the_memory_cap(fake_pct, tmp_path):
     """A 1 GiB file is put by a process whose address space may grow by only 256 MiB: nothing reads it whole."""
     script, log = fake_pct

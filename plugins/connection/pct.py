@@ -166,6 +166,7 @@ import os
 import secrets
 import shlex
 import subprocess
+import threading
 
 from ansible.errors import AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
 from ansible.module_utils.common.text.converters import to_bytes, to_text
@@ -281,6 +282,19 @@ def open_beside(path: bytes) -> tuple[int, bytes]:
     raise AnsibleError(f"pct: cannot create a temporary file beside {to_text(path)}")
 
 
+def pump(src, fd: int, chunk: int = 1 << 20) -> None:
+    """Copy the open file ``src`` into the pipe ``fd`` in chunks, then close it (a reader that quits early ends it)."""
+    try:
+        with os.fdopen(fd, "wb") as out:
+            while True:
+                data = src.read(chunk)
+                if not data:
+                    break
+                out.write(data)
+    except BrokenPipeError:
+        pass
+
+
 class Connection(ConnectionBase):
     """Tasks inside a Proxmox VE container, through ``pct exec`` on its node."""
 
@@ -344,16 +358,29 @@ class Connection(ConnectionBase):
         display.vvvv(f"PCT EXEC {argv!r}", host=self._play_context.remote_addr)
         timeout = self.get_option("command_timeout") or None
         from_file = stdin is not None and not isinstance(stdin, bytes)
+        # A file reaches the child through a pipe that a thread fills, never as the child's own stdin: lxc-attach
+        # (what pct exec runs) fchmods its standard streams, which would chmod the controller's file to 0700.
+        feed = None
+        if from_file:
+            read_end, write_end = os.pipe()
+            feed = threading.Thread(target=pump, args=(stdin, write_end), daemon=True)
         try:
             proc = subprocess.Popen(
                 argv,
-                stdin=stdin if from_file else subprocess.PIPE,
+                stdin=read_end if from_file else subprocess.PIPE,
                 stdout=stdout,
                 stderr=subprocess.PIPE,
                 env=None if self._remote() else local_env(os.environ),
             )
         except OSError as e:
+            if from_file:
+                os.close(write_end)
             raise AnsibleConnectionFailure(f"pct: cannot run {argv[0]!r}: {e}") from e
+        finally:
+            if from_file:
+                os.close(read_end)
+        if feed is not None:
+            feed.start()
         try:
             out, err = proc.communicate(None if from_file else stdin, timeout=timeout)
         except subprocess.TimeoutExpired as e:
@@ -362,6 +389,9 @@ class Connection(ConnectionBase):
             raise AnsibleConnectionFailure(
                 f"pct: command timed out after {timeout}s: {shlex.join(inner)}"
             ) from e
+        finally:
+            if feed is not None:
+                feed.join()
         if proc.returncode == SSH_FAILED and self._remote():
             raise AnsibleConnectionFailure(
                 f"pct: ssh to {self.get_option('node_user')}@{self.get_option('node')} failed (exit 255): "
