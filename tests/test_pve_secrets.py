@@ -159,6 +159,9 @@ def test_the_training_env_file_is_0600_and_its_content_never_shows_in_diff(tmp_p
                 "gpu_cleanup_marker": "EAGLE3_JOB=eagle3-train",
                 "eagle3_train_prefix": "/opt/eagle3",
                 "eagle3_train_env": {"HF_TOKEN": token},
+                "eagle3_train__layout": {"nnodes": 1},  # nodes.yml: one node
+                "eagle3_train_socket_ifname": "",
+                "eagle3_train_nccl_ib_hca": "",
             },
             "tasks": [task],
         }

@@ -212,11 +212,16 @@ def test_train_report_puts_unit_status_and_restart_record_together(fake_systemd,
             "has failed. See inner exception for details.",
             "cannot reach the rendezvous store on node 0",
         ),
-        ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError", "not every node joined the rendezvous"),
+        (
+            "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
+            "not every node joined the rendezvous",
+        ),
     ],
 )
 def test_a_rendezvous_failure_says_what_it_means_for_the_nodes(line, says):
     # As journalctl shows them when a node of a two-node run cannot reach node 0, or node 0 waits in vain.
     env = {"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "1"}
-    reason, message = restart_backoff.classify_exit(env, None, 10, ["Traceback (most recent call last):", line])
+    reason, message = restart_backoff.classify_exit(
+        env, None, 10, ["Traceback (most recent call last):", line]
+    )
     assert reason == "rendezvous" and message.startswith(line) and says in message
