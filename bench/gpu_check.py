@@ -12,7 +12,9 @@ Sections, each timed, each recorded even when it fails (the next one still runs)
   flex      compiled flex_attention forward+backward of the TTT mask against the exact path on the GPU.
   sweep     Kimi-shaped drafter on one GPU, ttt_steps 5: peak memory and tokens/s per max_seq_len (4096 ..
             32768), with and without activation checkpointing, stopping at the first OOM; the planner's
-            prediction for the same run next to each measurement.
+            prediction for the same run next to each measurement; step time, FLOP/s (eagle3.flops) against a
+            bf16 matmul microbenchmark of the step's shapes in the same run and against the datasheet peak
+            (MFU), and NVML power against utilisation during the step (docs/speed.md).
   probe     eagle3.plan.probe (real steps at two lengths, fit, choice for 8 x 96 GiB) and its cache.
 
 Writes $OUT/gpu_check.json when OUT is set, else bench/results/gpu_check-<time>.json. Exit 0 when every
@@ -332,6 +334,60 @@ def run_steps(
             torch.cuda.empty_cache()
 
 
+class PowerSampler:
+    """NVML power (W) and GPU utilisation (%) of device 0 sampled every 50 ms while a step runs; empty without NVML."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self._stop = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML (CPU dry run, or pynvml missing): no figures, not a failure
+            self._nvml = None
+
+    def __enter__(self):
+        import threading
+
+        if self._nvml is None:
+            return self
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.wait(0.05):
+                watts = self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+                self.samples.append((watts, float(util)))
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"power_w": None, "utilization_pct": None}
+        n = len(self.samples)
+        return {
+            "power_w": round(sum(w for w, _ in self.samples) / n, 1),
+            "utilization_pct": round(sum(u for _, u in self.samples) / n, 1),
+        }
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, shapes) -> float:
+    """Best FLOP/s of torch.mm at the step's own shapes in the step's dtype: the practical peak of this run."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from trainer import matmul_rate
+
+    return matmul_rate(shapes, dtype=dtype, device=device.type)
+
+
 def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths: list[int]) -> dict:
     if dry_run:
         shape = P.Shape(128, 4, 32, 320, 1024, 2048)
@@ -343,6 +399,15 @@ def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths:
     ttt = 5
     deadline = time.monotonic() + budget_s
     rows = []
+    from eagle3.flops import datasheet_peak, step_flops
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from trainer import step_matmul_shapes
+
+    dtype = torch.bfloat16 if base.autocast and device.type == "cuda" else torch.float32
+    practical = matmul_peak(device, dtype, step_matmul_shapes(shape, max(lengths[0], 1024)))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    sheet = datasheet_peak(name, "bf16" if dtype == torch.bfloat16 else "fp32")
     for label, opts in (
         ("activation_checkpointing", dataclasses.replace(base, activation_checkpointing=True)),
         ("no options", base),
@@ -354,8 +419,10 @@ def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths:
             predicted = P.predict_peak_bytes(shape, seq_len, ttt, opts, world_size=1)
             row = {"options": label, "max_seq_len": seq_len, "predicted_gib": round(predicted / P.GIB, 2)}
             started = time.monotonic()
+            power = PowerSampler()
             try:
-                static, peak, seconds, reserved = run_steps(shape, opts, ttt, seq_len, device)
+                with power:
+                    static, peak, seconds, reserved = run_steps(shape, opts, ttt, seq_len, device)
             except torch.OutOfMemoryError as e:
                 row |= {"oom": True, "message": str(e).splitlines()[0][:300]}
                 rows.append(row)
@@ -372,16 +439,37 @@ def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths:
                 "tokens_per_s": round(seq_len / seconds, 1),
                 "wall_s": round(time.monotonic() - started, 1),
             }
+            flops = step_flops(
+                shape,
+                seq_len,
+                ttt,
+                loss_chunk_size=opts.loss_chunk_size,
+                activation_checkpointing=opts.activation_checkpointing,
+            )  # one document filling the row: the attention's worst case, as the sweep's batch
+            rate = flops["total"] / seconds
+            row |= {
+                "tflop": round(flops["total"] / 1e12, 2),
+                "recompute_tflop": round(flops["recompute"] / 1e12, 2),
+                "tflop_per_s": round(rate / 1e12, 2),
+                "of_matmul_peak": round(rate / practical, 3),
+                "mfu": round(rate / sheet, 3) if sheet else None,
+                **power.summary(),
+            }
             rows.append(row)
             print(
-                f"  {label:26} {seq_len:>6}: peak {row['measured_peak_gib']:7.2f} GiB, predicted "
-                f"{row['predicted_gib']:7.2f} ({row['error']:+.1%}), {row['tokens_per_s']:9.1f} tok/s",
+                f"  {label:26} {seq_len:>6}: step {seconds:7.2f} s, {row['tokens_per_s']:9.1f} tok/s, "
+                f"{row['tflop_per_s']:7.2f} TFLOP/s ({row['of_matmul_peak']:.0%} of matmul peak, MFU "
+                f"{'-' if row['mfu'] is None else format(row['mfu'], '.1%')}), peak {row['measured_peak_gib']:7.2f} "
+                f"GiB vs plan {row['predicted_gib']:7.2f} ({row['error']:+.1%}), power {row['power_w']} W at "
+                f"{row['utilization_pct']} % utilisation",
                 flush=True,
             )
     measured = [r for r in rows if "error" in r]
     return {
         "shape": dataclasses.asdict(shape),
         "ttt_steps": ttt,
+        "matmul_peak_tflop_per_s": round(practical / 1e12, 3),
+        "datasheet_peak_tflop_per_s": sheet and round(sheet / 1e12, 1),
         "rows": rows,
         "max_abs_error": max((abs(r["error"]) for r in measured), default=None),
         "ok": bool(measured),

@@ -77,7 +77,8 @@ def worker_throughput(args) -> dict:
     model = tiny_model(args.data)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = packed_rows(args.data, args.seq_len, args.steps + 1)
-    forward = run_options(ttt_steps=args.ttt_steps).ttt_kwargs()
+    chunk = {} if args.loss_chunk_size is None else {"loss_chunk_size": args.loss_chunk_size}
+    forward = run_options(ttt_steps=args.ttt_steps, **chunk).ttt_kwargs()
     times, tokens = [], []
     for i in range(args.steps + 1):
         row = rows[i % len(rows)]
@@ -323,6 +324,7 @@ def main() -> int:
     p.add_argument("--speed-ttt-steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="print the profile's top 5 of the off and on steps")
     p.add_argument("--only", choices=("speed", "lengths", "saved"), help="run one table only")
+    p.add_argument("--loss-chunk-size", type=int, default=None, help="lengths table: this loss_chunk_size")
     args = p.parse_args()
     if args.worker == "throughput":
         print(json.dumps(worker_throughput(args)))
@@ -355,7 +357,8 @@ def main() -> int:
 
 
 def lengths_table(args) -> None:
-    """Tokens/s and FLOP/s per max_seq_len at the tiny shape (AdamW included, the config's default options)."""
+    """Tokens/s and FLOP/s per max_seq_len at the tiny shape (AdamW included; loss_chunk_size as the config's
+    default unless --loss-chunk-size)."""
     from eagle3 import plan
     from eagle3.flops import step_flops
     from eagle3.synth import SynthConfig, synthesize
@@ -369,11 +372,13 @@ def lengths_table(args) -> None:
             tmp, SynthConfig(num_samples=max(64, need // 240 + 16), max_len=512), log=lambda *a, **k: None
         )
         print(f"\ntiny shape (hidden 64, 4x16 heads, MLP 192, V 512/1024), ttt_steps {args.ttt_steps}, exact attention, "
-              f"default options, forward+backward+AdamW, median of {steps} step(s)")  # fmt: skip
+              f"loss_chunk_size {'default (4096)' if args.loss_chunk_size is None else args.loss_chunk_size}, "
+              f"forward+backward+AdamW, median of {steps} step(s)")  # fmt: skip
         print(f"{'max_seq_len':>11} {'step s':>8} {'tokens/s':>9} {'GFLOP/s':>8} {'peak RSS GiB':>13}")
         for s in lengths:
+            chunk = [] if args.loss_chunk_size is None else ["--loss-chunk-size", str(args.loss_chunk_size)]
             r = run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--steps", str(steps),
-                                          "--ttt-steps", str(args.ttt_steps)], args.threads)  # fmt: skip
+                                          "--ttt-steps", str(args.ttt_steps), *chunk], args.threads)  # fmt: skip
             shape = plan.Shape(**r["shape"])
             f = step_flops(
                 shape, s, args.ttt_steps, loss_chunk_size=r["loss_chunk_size"], doc_len=r["doc_lengths"]
