@@ -154,8 +154,8 @@ class TrainConfig:
         choices=("auto", "flex", "exact"),
     )  # fmt: skip
     loss_chunk_size: int = option(
-        4096, "positions per chunk of the vocab projection in the loss (bounds its memory); 0: one pass over the "
-        "row, the target side made once and shared by the TTT steps (fastest, [S, V] fp32 during the forward)",
+        4096, "positions per chunk of the vocab projection in the loss (bounds its memory); 0, or a row no longer "
+        "than the chunk: one pass, the target side made once and shared by the TTT steps (fastest)",
         bound=NON_NEGATIVE,
     )  # fmt: skip
     num_threads: int = option(0, "CPU threads per rank; 0: torch's default", bound=NON_NEGATIVE)

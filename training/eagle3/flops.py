@@ -11,7 +11,8 @@ One packed row of `seq_len` slots, documents of `doc_len` tokens (the last one s
                     same-slot key per later step; backward 4 matmuls plus the blockwise path's recomputed QK^T
     loss            per step: draft logits 2 n H V_draft, their gradient with respect to norm(h) as much (FusedKL
                     makes it in forward; counted as backward), lm_head's weight gradient when it trains; the target
-                    logits per step (chunked) or once per row (loss_chunk_size 0, shared with the argmax below)
+                    logits per step (chunked) or once per row (one pass: loss_chunk_size 0 or at least S, shared
+                    with the argmax below)
     target argmax   once per row, no gradient: the draft-vocab rows, and the target head rows outside the draft
                     vocab for the true-target accuracy (keep_full_head)
     recompute       activation checkpointing: every decoder step's forward again (matmuls and attention)
@@ -86,7 +87,9 @@ def step_flops(
         terms["bwd_attention"] += attn * 5 // 2  # dV, dP, dQ, dK and the recomputed QK^T
         terms["fwd_draft_logits"] += 2 * n * h * vd
         terms["bwd_loss"] += 2 * n * h * vd * (2 if shape.train_lm_head else 1)
-        if loss_chunk_size:  # chunked: the target logits of the step's slots; one pass shares the argmax's
+        if (
+            0 < loss_chunk_size < s
+        ):  # chunked: the target logits of the step's slots; one pass shares the argmax's
             terms["fwd_target_logits"] += 2 * n * h * vd
         if activation_checkpointing:
             terms["recompute_layer"] += layer

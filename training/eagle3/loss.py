@@ -14,7 +14,7 @@ TTT step, the size of the hidden state itself (docs/speed.md).
 
 `chunked_kl` walks the positions in chunks of `chunk_size` (the target logits of each chunk computed there);
 `onepass_kl` takes the target probabilities of the whole row, computed once per row and shared by every TTT
-step (`target_probs`): loss_chunk_size=0. `checkpointed_kl` is the former path (each chunk under
+step (`target_probs`): loss_chunk_size=0, or a chunk size at least the row's length (eagle3.model). `checkpointed_kl` is the former path (each chunk under
 `torch.utils.checkpoint`, both logits recomputed in backward), kept for the parity tests; `eager_kl` is the
 plain autograd reference (all positions at once).
 

@@ -588,8 +588,11 @@ def _ttt_loss(
         raise ConfigError(
             f"loss_chunk_size={loss_chunk_size} must be 0 (one pass) or a chunk size, e.g. 4096"
         )
-    shared: list | None = [] if loss_chunk_size == 0 else None  # one pass: the target side once per row
-    restricted_ids, true_ids = model.target_token_ids(last_hidden, loss_chunk_size, shared)  # [S], [S]
+    # One pass (loss_chunk_size 0, or a chunk that holds the whole row: the same [S, V] bound, and its per-step
+    # target logits are the row's anyway): the target side once per row, shared by the TTT steps.
+    one_pass = loss_chunk_size == 0 or loss_chunk_size >= seq_len
+    shared: list | None = [] if one_pass else None
+    restricted_ids, true_ids = model.target_token_ids(last_hidden, 0 if one_pass else loss_chunk_size, shared)
     if shared is not None:
         p_target, neg_entropy = (
             shared[0] if shared else (last_hidden.new_zeros(0, 1), last_hidden.new_zeros(0))

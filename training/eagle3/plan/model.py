@@ -467,8 +467,8 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
 
     loss_chunk: the forward of the last step's loss (FusedKL makes the gradient there, nothing is recomputed): target
     probabilities, draft logits turned in place into log-probabilities and then into the logit gradient, their
-    product, the matmul outputs: four fp32 [chunk, V] at once; loss_chunk_size 0 (one pass) adds the target
-    probabilities of the whole row, made once and shared by every TTT step.
+    product, the matmul outputs: four fp32 [chunk, V] at once; one pass (loss_chunk_size 0, or a chunk that
+    holds the row) adds the target probabilities of the whole row, made once and shared by every TTT step.
     decoder_step: backward of the last TTT step. MLP phase: the hidden gradient and three [S, I] gradients.
     Attention phase (the MLP and post-attention norm tensors of the step are freed by then): the gradients of q
     and of every K/V of steps 0..k (fp32 accumulators in the exact path, the flex outputs and rotary fp32
@@ -479,7 +479,10 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
     lp, s, k = opts.act_bytes, seq_len, ttt_steps - 1
     chunk = min(opts.loss_chunk_size or s, s)
     grad_h = s * lp * h
-    shared = FP32 * s * shape.draft_vocab_size if opts.loss_chunk_size == 0 else 0
+    one_pass = (
+        opts.loss_chunk_size == 0 or opts.loss_chunk_size >= s
+    )  # model.py: the target side once per row
+    shared = FP32 * s * shape.draft_vocab_size if one_pass else 0
     loss_chunk = 4 * FP32 * chunk * shape.draft_vocab_size + shared
     last = step_held_terms(shape, seq_len, k, opts)
     mlp_phase = 2 * grad_h + s * 3 * i * lp
