@@ -168,6 +168,11 @@ def chunked_kl(
         total = total + part
         kls.append(kl)
         ids.append(draft_ids)
+    return _joined(total, kls, ids, hidden)
+
+
+def _joined(total: torch.Tensor, kls: list, ids: list, hidden: torch.Tensor):
+    """(loss, per-position KL, draft argmax) from the chunks' parts; empty tensors for a row without positions."""
     if not kls:
         return (
             total,
@@ -203,13 +208,7 @@ def checkpointed_kl(
         total = total + part
         kls.append(kl)
         ids.append(draft_ids)
-    if not kls:
-        return (
-            total,
-            hidden.new_zeros(0, dtype=torch.float32),
-            torch.zeros(0, dtype=torch.long, device=hidden.device),
-        )
-    return total, torch.cat(kls), torch.cat(ids)
+    return _joined(total, kls, ids, hidden)
 
 
 def eager_kl(
