@@ -744,6 +744,12 @@ def main(argv: list[str]) -> int:
         # records the rest.
         if rank != 0 and kind not in ("oom", "hang"):
             return
+        if kind == "crash" and rank == 0 and any(sign in message for sign in PEER_LOST):
+            # Only a symptom: another rank ended first, and if it ran out of memory its record may still be on the
+            # way (a loaded machine delays it). Give it a moment, so that the cause, not the symptom, is recorded.
+            deadline = time.monotonic() + PEER_RECORD_WAIT_S
+            while time.monotonic() < deadline and not _recent_oom(files, since=started_at):
+                time.sleep(0.1)
         if kind in ("crash", "hang") and _recent_oom(files, since=started_at):
             return
         if rank != 0:  # keep rank 0's progress fields, add the error
@@ -838,6 +844,11 @@ def main(argv: list[str]) -> int:
         if info is not None:
             with contextlib.suppress(Exception):
                 dist_utils.shutdown(info)
+
+
+# A collective's error when another rank has gone (gloo, NCCL): the cause is that rank's, not this one's.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+PEER_RECORD_WAIT_S = 5.0
 
 
 def _recent_oom(files: RunFiles, since: float) -> bool:
