@@ -50,8 +50,7 @@ from eagle3.metrics import (
     val_record,
 )
 from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
-from eagle3.nodes import NODE_ROWS, gather_hosts, node_fields
-from eagle3.nodes import own_column as node_table
+from eagle3.nodes import NODE_ROWS, gather_hosts, node_fields, own_column
 from eagle3.observe import Observer, ProgressLine
 from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
 from eagle3.standin import hold_standin_device
@@ -650,7 +649,7 @@ class Trainer:
         if checksummed:
             slots[1, info.rank] = dist_utils.param_checksum(self.model)
         own = dict(zip(SCALAR_SUM_KEYS, acc.scalars.tolist(), strict=True))
-        table = node_table(info.world_size, info.rank, own["tokens"], sum(own[k] for k in TIMER_KEYS))
+        table = own_column(info.world_size, info.rank, own["tokens"], sum(own[k] for k in TIMER_KEYS))
         flat = torch.cat(
             [torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten(), table.flatten()]
         )
