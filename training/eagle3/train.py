@@ -209,27 +209,51 @@ class RowPrefetcher:
     """Reads the next step's row in one background thread while the current step computes.
 
     The thread has its own DatasetReader (its own shard handles), so nothing is shared with the main
-    thread's reads during validation. Errors (bad shard, out of memory) surface in `get`.
+    thread's reads during validation; every read of this reader runs on that one thread. A row is read
+    straight into its final tensors (`DatasetReader.read_row`), in pinned memory when `pin_memory` (CUDA) so the
+    step's copy to the GPU runs with non_blocking=True. Rows rotate through `BUFFERS` row buffers, reused
+    without a new allocation (page faults or pinned allocations cost as much as the read itself): a row
+    returned by `get` stays valid until the next `get` returns (the trainer uses it for one step; the buffer
+    is overwritten two reads later). Errors (bad shard, out of memory) surface in `get`.
     """
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-        self.reader = DatasetReader(trainer.cfg.data_dir)
+    BUFFERS = 3  # the step's row, the next one being read, one spare
+
+    def __init__(self, data_dir: str, max_seq_len: int, pin_memory: bool):
+        self.reader = DatasetReader(data_dir)
+        self.max_seq_len = max_seq_len
+        self.pin_memory = pin_memory
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-fetch")
         self.pending: tuple[tuple[int, int], Future] | None = None
+        self.buffers: list[dict | None] = [None] * self.BUFFERS
+        self.turn = 0  # the buffer the next read fills (used on the worker thread only)
+
+    def fetch(self, sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
+        """The packed row of `sample_ids`; (row, real). An empty assignment becomes a zero-weight filler row
+        (what Trainer.fetch_row returns, read without the per-sample copies)."""
+        real = bool(sample_ids)
+        ids = sample_ids if real else [filler_id]
+        slot, self.turn = self.turn, (self.turn + 1) % self.BUFFERS
+        row = self.reader.read_row(ids, self.max_seq_len, pin_memory=self.pin_memory, out=self.buffers[slot])
+        self.buffers[slot] = row
+        if not bool(row["loss_mask"].any()):
+            real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
+        return row, real
 
     def schedule(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> None:
-        self.pending = (key, self.pool.submit(self.trainer.fetch_row, sample_ids, filler_id, self.reader))
+        self.pending = (key, self.pool.submit(self.fetch, sample_ids, filler_id))
 
     def get(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
-        if self.pending is not None and self.pending[0] == key:
-            future = self.pending[1]
-            self.pending = None
-            return future.result()
-        return self.trainer.fetch_row(sample_ids, filler_id)
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == key:
+            return pending[1].result()
+        # Not prefetched (the first step, a resume): read it now, on the same thread, after any stale read.
+        return self.pool.submit(self.fetch, sample_ids, filler_id).result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.reader.close()
+        self.buffers = [None] * self.BUFFERS
 
 
 class Trainer:
@@ -511,7 +535,7 @@ class Trainer:
             record_file = (Path(cfg.run_dir) / f"samples_rank{info.rank}.jsonl").open("a")
         self.model.train()
         stopped = False
-        prefetch = RowPrefetcher(self)
+        prefetch = RowPrefetcher(cfg.data_dir, cfg.max_seq_len, pin_memory=info.device.type == "cuda")
         hang_at = fault_hang_step(info.rank)  # tests only: EAGLE3_FAULT_HANG_AT_STEP
         progress = ProgressLine(cfg.progress_every_s, start_step=state.step)
         while state.step < self.total_steps:
