@@ -144,48 +144,59 @@ def eighth_model(s: int, doc_len: int = 512):
     return model, row
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+SAVED_MODES = ("none", "selective", "full")
+
+
 def worker_saved(args) -> dict:
-    """Bytes saved for backward per token per TTT step at the 1/8-Kimi shape (random weights and row)."""
+    """Bytes a forward pass holds for backward per token per TTT step at the 1/8-Kimi shape (random weights and
+    row), per activation checkpointing mode: the resident memory after the forward minus before it. The worker
+    runs with MALLOC_MMAP_THRESHOLD_ fixed low, so every tensor of note is its own mapping and a freed one leaves
+    the resident set: what remains after the forward is what autograd keeps (saved-tensor hooks would not see what
+    a checkpoint keeps inside itself, the selective mode's matmul outputs)."""
+    import gc
+
     from eagle3.model import ttt_forward
 
     torch.set_num_threads(args.threads)
     s, t = args.seq_len, 5
     model, row = eighth_model(s)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers() if b.numel()}
     out = {
         "shape": "1/8 Kimi: H 896, 8x64 heads, MLP 2304, V_draft 4000, V_target 20480",
         "seq_len": s,
         "ttt_steps": t,
     }
-    for ac in (False, True):
-        saved: dict[int, int] = {}
-
-        def pack(x: torch.Tensor, saved=saved):
-            st = x.untyped_storage()
-            if st.data_ptr() not in params:  # weights are static state, not per-token activations
-                saved[st.data_ptr()] = st.nbytes()
-            return x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            forward = run_options(ttt_steps=t, activation_checkpointing=ac).ttt_kwargs()
-            loss, _ = ttt_forward(model, row, **forward)
-        total = sum(saved.values())
-        out["ac" if ac else "no_ac"] = {"saved_bytes": total, "bytes_per_token_per_step": total / (s * t)}
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+    for rnd in range(2):  # the first round warms the allocator and torch's caches
+        for mode in SAVED_MODES:
+            gc.collect()
+            before = _rss_bytes()
+            loss, _ = ttt_forward(model, row, ttt_steps=t, activation_checkpointing=mode, loss_chunk_size=0,
+                                  attention="exact")  # fmt: skip
+            held = _rss_bytes() - before
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            del loss
+            if rnd:
+                out[mode] = {"saved_bytes": held, "bytes_per_token_per_step": held / (s * t)}
     return out
 
 
 # The speed table's variants at the 1/8-Kimi shape: (label, activation_checkpointing, loss_chunk_size); None is
-# bench/eager_reference.py. "off": both memory options off; "on": both on (small loss chunks).
+# bench/eager_reference.py. "off": both memory options off; "on": both on (small loss chunks), with the selective or
+# the full checkpointing mode.
 SPEED_VARIANTS = (
     ("eager reference", None, None),
     ("off (ckpt off, loss_chunk 0)", False, 0),
     ("default (loss_chunk 4096)", False, 4096),
-    ("ckpt, loss_chunk 0", True, 0),
+    ("ckpt selective, loss_chunk 0", "selective", 0),
+    ("ckpt full, loss_chunk 0", "full", 0),
     ("loss_chunk 256", False, 256),
-    ("on (ckpt, loss_chunk 256)", True, 256),
+    ("on (selective, loss_chunk 256)", "selective", 256),
+    ("on (full, loss_chunk 256)", "full", 256),
 )
 
 
@@ -253,14 +264,14 @@ def worker_speed(args) -> dict:
     rows = []
     for label, ckpt, chunk in SPEED_VARIANTS:
         f = step_flops(shape, s, t, loss_chunk_size=0 if chunk is None else chunk,
-                       activation_checkpointing=bool(ckpt), doc_len=512)  # fmt: skip
+                       activation_checkpointing=ckpt or False, doc_len=512)  # fmt: skip
         useful = step_flops(shape, s, t, loss_chunk_size=0, doc_len=512)["total"]  # the maths, once
         rows.append({"label": label, "min_s": min(times[label]), "median_s": statistics.median(times[label]),
                      "flops": f["total"], "useful_flops": useful, "recompute_flops": f["recompute"]})  # fmt: skip
     out = {"seq_len": s, "ttt_steps": t, "runs": args.runs, "matmul_peak": peak, "rows": rows}
     if args.profile:
         out["profile"] = {}
-        for label, ckpt, chunk in (SPEED_VARIANTS[1], SPEED_VARIANTS[-1]):
+        for label, ckpt, chunk in (SPEED_VARIANTS[1], SPEED_VARIANTS[-2], SPEED_VARIANTS[-1]):
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -299,7 +310,9 @@ def print_speed(r: dict) -> None:
 
 def run_worker(kind: str, extra: list[str], threads: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(threads), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    # a fixed mmap threshold: large tensors are their own mappings, returned to the system when freed (the saved
+    # table reads the resident set)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": "131072"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"worker {kind} {extra} failed:\n{proc.stderr[-3000:]}")
@@ -389,11 +402,14 @@ def lengths_table(args) -> None:
 
 def saved_table(args) -> None:
     r = run_worker("saved", ["--seq-len", str(args.saved_seq_len)], args.threads)
-    print(f"\nbytes saved for backward, {r['shape']}, S={r['seq_len']}, ttt_steps {r['ttt_steps']}:")
-    for key, label in (("no_ac", "activation_checkpointing off"), ("ac", "activation_checkpointing on ")):
-        v = r[key]
-        print(f"  {label}: {v['bytes_per_token_per_step'] / 1024:8.1f} KiB/token/step "
-              f"({v['saved_bytes'] / 2**20:.0f} MiB total; hooks do not see what checkpointing keeps in closures)")  # fmt: skip
+    print(f"\nbytes held for backward after the forward (resident set, after - before), {r['shape']}, "
+          f"S={r['seq_len']}, ttt_steps {r['ttt_steps']}, loss_chunk_size 0:")  # fmt: skip
+    none, full = r["none"]["saved_bytes"], r["full"]["saved_bytes"]
+    for mode in SAVED_MODES:
+        v = r[mode]
+        kept = (none - v["saved_bytes"]) / (none - full) if none != full else float("nan")
+        print(f"  activation_checkpointing {mode:<9}: {v['bytes_per_token_per_step'] / 1024:8.1f} KiB/token/step "
+              f"({v['saved_bytes'] / 2**20:6.0f} MiB; {kept:5.0%} of full checkpointing's saving)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,11 +11,14 @@ One packed row of `seq_len` slots, documents of `doc_len` tokens (the last one s
                     same-slot key per later step; backward 4 matmuls plus the blockwise path's recomputed QK^T
     loss            per step: draft logits 2 n H V_draft, their gradient with respect to norm(h) as much (FusedKL
                     makes it in forward; counted as backward), lm_head's weight gradient when it trains; the target
-                    logits per step (chunked) or once per row (one pass: loss_chunk_size 0 or at least S, shared
-                    with the argmax below)
+                    logits once per row whatever loss_chunk_size (each chunk of target slots is shared by every TTT
+                    step and by the argmax below)
     target argmax   once per row, no gradient: the draft-vocab rows, and the target head rows outside the draft
                     vocab for the true-target accuracy (keep_full_head)
-    recompute       activation checkpointing: every decoder step's forward again (matmuls and attention)
+    recompute       activation checkpointing, full: every decoder step's forward again (attention and every matmul
+                    but down_proj: its output is read by no backward, and the non-reentrant checkpoint stops
+                    recomputing once backward has what it needs); selective: the attention's forward only (the
+                    linear layers' outputs are kept; the elementwise work, not counted here, is redone)
 
 where n = S - 1 - step supervised-able slots, A = heads * head_dim, KV = kv_heads * head_dim.
 
@@ -47,19 +50,24 @@ def step_flops(
     ttt_steps: int,
     *,
     loss_chunk_size: int = 4096,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     doc_len=0,
     keep_full_head: bool = True,
 ) -> dict[str, int]:
     """FLOPs of one forward + backward of one row, by phase and term.
 
     Returns forward, backward, recompute and total, and the terms (fwd_*/bwd_*/recompute_*) they sum.
+    `activation_checkpointing`: a config value (eagle3.options.checkpoint_mode: false, true = selective, full).
+    `loss_chunk_size` no longer changes the count (the target side is made once per row); kept for the callers.
 
     >>> from eagle3.plan import SHAPES
     >>> f = step_flops(SHAPES["kimi-k2.5-eighth"], 1024, 3, loss_chunk_size=0, doc_len=512)
     >>> round(f["total"] / 1e9, 1), f["recompute"]
     (270.4, 0)
     """
+    from eagle3.options import checkpoint_mode
+
+    mode = checkpoint_mode(activation_checkpointing)
     h, a, i = shape.hidden_size, shape.attention_dim, shape.intermediate_size
     kv, hd, nh = shape.kv_dim, shape.head_dim, shape.num_heads
     vd, vt, s = shape.draft_vocab_size, shape.target_vocab_size, seq_len
@@ -73,7 +81,6 @@ def step_flops(
         "fwd_attention": 0,
         "bwd_attention": 0,
         "fwd_draft_logits": 0,
-        "fwd_target_logits": 0,
         "bwd_loss": 0,
         "recompute_layer": 0,
         "recompute_attention": 0,
@@ -87,12 +94,9 @@ def step_flops(
         terms["bwd_attention"] += attn * 5 // 2  # dV, dP, dQ, dK and the recomputed QK^T
         terms["fwd_draft_logits"] += 2 * n * h * vd
         terms["bwd_loss"] += 2 * n * h * vd * (2 if shape.train_lm_head else 1)
-        if (
-            0 < loss_chunk_size < s
-        ):  # chunked: the target logits of the step's slots; one pass shares the argmax's
-            terms["fwd_target_logits"] += 2 * n * h * vd
-        if activation_checkpointing:
-            terms["recompute_layer"] += layer
+        if mode == "full":
+            terms["recompute_layer"] += layer - 2 * s * i * h  # all but down_proj (see the module docstring)
+        if mode != "none":
             terms["recompute_attention"] += attn
     out = {
         "forward": sum(v for k, v in terms.items() if k.startswith("fwd_")),

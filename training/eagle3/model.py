@@ -38,11 +38,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from eagle3.attention import TTTAttention, validate_document_ids
 from eagle3.errors import ConfigError, DataError
-from eagle3.loss import DEFAULT_CHUNK_SIZE, chunked_kl, onepass_kl, target_probs
+from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
+from eagle3.options import checkpoint_mode
 
 STAT_KEYS = (
     "loss_sum",
@@ -447,6 +448,23 @@ class Eagle3Drafter(nn.Module):
             true.append(as_target)
         return torch.cat(restricted), (torch.cat(true) if full else None)
 
+    @torch.no_grad()
+    def target_chunk(self, last_hidden: torch.Tensor):
+        """One chunk of target slots [C, H] -> (draft-vocab argmax [C], true target argmax [C] or None,
+        (p_t [C, V_draft], neg-entropy [C])): the target logits made once for the argmax and the loss."""
+        y = self.verifier_norm(last_hidden)  # [C, H]
+        logits = _linear(self.verifier_lm_head, y)  # [C, V_draft]
+        best, best_id = logits.max(-1)
+        probs = target_probs(logits)
+        del logits
+        if not getattr(self, "_full_head", False):
+            return best_id, None, probs
+        as_target = best_id + self.d2t[best_id]
+        if self.rest_target_ids.numel():
+            rest_best, rest_id = _linear_rows(self.verifier_lm_head_rest, y).max(-1)  # [C]
+            as_target = torch.where(rest_best > best, self.rest_target_ids[rest_id], as_target)
+        return best_id, as_target, probs
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.embed_tokens(token_ids)  # [S, H]
@@ -454,15 +472,32 @@ class Eagle3Drafter(nn.Module):
     def _layer_step(self, hidden, token_ids, cos, sin, past_keys, past_values, attention):
         return self.layers[0](hidden, self.embed(token_ids), cos, sin, past_keys, past_values, attention)
 
+    def _layer_step_uncached(self, *args):
+        """The step under selective checkpointing: autocast's weight-cast cache off inside it, so the recomputation
+        runs the same ops as the forward did (the cache would skip the weight casts of steps after the first in
+        forward but not in recomputation, and selective checkpointing matches ops by their order)."""
+        device = self.fc.weight.device.type
+        if not torch.is_autocast_enabled(device):
+            return self._layer_step(*args)
+        with torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False):
+            return self._layer_step(*args)
+
     def ttt_hidden_states(
-        self, batch: dict, ttt_steps: int, attention: str = "auto", activation_checkpointing: bool = False
+        self,
+        batch: dict,
+        ttt_steps: int,
+        attention: str = "auto",
+        activation_checkpointing: bool | str = False,
     ):
         """Yield the drafter's pre-norm hidden state [S, H] of each TTT step 0..ttt_steps-1 (teacher forced).
 
-        With activation_checkpointing the decoder layer of each step is recomputed in backward; the
-        K/V of earlier steps are passed in and this step's K/V returned, so recomputation sees the
-        same cache (HF-style checkpointing would drop it).
+        activation_checkpointing (eagle3.options.checkpoint_mode): full (and true) recomputes each step's decoder
+        layer in backward; selective keeps the outputs of the layer's matmuls (q/k/v, o, gate, up, down) and
+        recomputes only the cheap work between them (norms, concat, RoPE, SiLU, the residual adds) and the
+        attention's blockwise forward. The K/V of earlier steps are passed in and this step's K/V returned, so
+        recomputation sees the same cache (HF-style checkpointing would drop it).
         """
+        mode = checkpoint_mode(activation_checkpointing)
         input_ids = batch["input_ids"]
         attn = TTTAttention(batch["document_ids"], attention)
         aux = batch["aux_hidden"]
@@ -481,8 +516,12 @@ class Eagle3Drafter(nn.Module):
             token_ids = shift_tokens(input_ids, step + 1)  # [S]
             cos, sin = rope_cos_sin(base_positions + step, self.cfg.head_dim, self.cfg.rope_theta)  # [S, hd]
             args = (hidden, token_ids, cos, sin, list(keys), list(values), attn)
-            if activation_checkpointing and torch.is_grad_enabled():
-                hidden, k, v = checkpoint(self._layer_step, *args, use_reentrant=False)
+            if mode != "none" and torch.is_grad_enabled():
+                if mode == "selective":
+                    step_fn, context = self._layer_step_uncached, {"context_fn": selective_checkpoint_context}
+                else:
+                    step_fn, context = self._layer_step, {}
+                hidden, k, v = checkpoint(step_fn, *args, use_reentrant=False, **context)
             else:
                 hidden, k, v = self._layer_step(*args)
             keys.append(k)
@@ -495,12 +534,28 @@ class Eagle3Drafter(nn.Module):
         *,
         ttt_steps: int = 5,
         gamma: float = 1.0,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         attention: str = "auto",
     ):
         """See `ttt_forward`."""
         return _ttt_loss(self, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention)
+
+
+# Selective activation checkpointing: what the decoder step keeps. The outputs of its matmuls (aten.mm: the linear
+# layers; the attention's blockwise products are bmm and recomputed, a small share at packed document lengths) are
+# expensive to recompute; everything else in the step is elementwise, a norm, RoPE or a concat: cheap to recompute
+# and, summed, larger to keep. eagle3.flops counts the recomputed attention forward; eagle3.plan the kept bytes.
+SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_context():
+    """context_fn of torch.utils.checkpoint.checkpoint for the selective mode."""
+    return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
 def _linear_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -578,6 +633,11 @@ def check_batch(cfg: DrafterConfig, batch: dict) -> int:
 def _ttt_loss(
     model: Eagle3Drafter, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention
 ):
+    """The TTT steps first (every step's hidden state is kept for backward anyway: the next step's input), then
+    the loss walked by chunks of *target* slots: a chunk's target logits, argmax and probabilities are made once
+    and shared by every TTT step whose supervised slots fall in it (step k's slot j reads target slot j+1+k), so
+    the target side costs one pass over the row whatever the chunk size, and no fp32 [positions, V] tensor
+    outlives its chunk. loss_chunk_size 0: one chunk of the whole row."""
     if ttt_steps < 1:
         raise ConfigError(f"ttt_steps={ttt_steps} must be at least 1 (default 5)")
     seq_len = check_batch(model.cfg, batch)
@@ -588,15 +648,44 @@ def _ttt_loss(
         raise ConfigError(
             f"loss_chunk_size={loss_chunk_size} must be 0 (one pass) or a chunk size, e.g. 4096"
         )
-    # One pass (loss_chunk_size 0, or a chunk that holds the whole row: the same [S, V] bound, and its per-step
-    # target logits are the row's anyway): the target side once per row, shared by the TTT steps.
-    one_pass = loss_chunk_size == 0 or loss_chunk_size >= seq_len
-    shared: list | None = [] if one_pass else None
-    restricted_ids, true_ids = model.target_token_ids(last_hidden, 0 if one_pass else loss_chunk_size, shared)
-    if shared is not None:
-        p_target, neg_entropy = (
-            shared[0] if shared else (last_hidden.new_zeros(0, 1), last_hidden.new_zeros(0))
-        )
+    chunk = min(loss_chunk_size or seq_len, seq_len) or 1
+    doc, loss_mask = batch["document_ids"], batch["loss_mask"]
+    hiddens = list(model.ttt_hidden_states(batch, ttt_steps, attention, activation_checkpointing))
+    sup, weights = [], []
+    for step in range(ttt_steps):
+        _, supervised = step_supervision(doc, loss_mask, step)
+        count = supervised.sum()
+        sup.append((supervised, count))
+        weights.append(supervised.float() * (gamma**step / count.clamp(min=1).float()))  # [n]
+    loss = last_hidden.new_zeros((), dtype=torch.float32)
+    kls: list[list] = [[] for _ in range(ttt_steps)]
+    ids: list[list] = [[] for _ in range(ttt_steps)]
+    restricted, true = [], []
+    for c in range(0, seq_len, chunk):
+        e = min(c + chunk, seq_len)
+        best_id, true_id, (p_t, neg_entropy) = model.target_chunk(last_hidden[c:e])
+        restricted.append(best_id)
+        true.append(true_id)
+        for step in range(ttt_steps):
+            n = weights[step].shape[0]
+            a, b = (
+                max(c - 1 - step, 0),
+                min(e - 1 - step, n),
+            )  # slots j whose target slot j+1+step is in [c, e)
+            if b <= a:
+                continue
+            t0 = a + 1 + step - c
+            part, kl, draft_ids = fused_kl(
+                model, hiddens[step][a:b], p_t[t0 : t0 + b - a], neg_entropy[t0 : t0 + b - a],
+                weights[step][a:b],
+            )  # fmt: skip
+            loss = loss + part
+            kls[step].append(kl)
+            ids[step].append(draft_ids)
+        del p_t, neg_entropy
+    del hiddens
+    restricted_ids = torch.cat(restricted) if restricted else torch.zeros(0, dtype=torch.long, device=device)
+    true_ids = torch.cat(true) if true and true[0] is not None else None
     if "target_ids" in batch:
         true_ids = batch["target_ids"].long()
     if true_ids is None:
@@ -604,42 +693,29 @@ def _ttt_loss(
             "true-target accuracy needs the target head rows outside the draft vocab: call "
             "load_target_weights(..., keep_full_head=True) or put `target_ids` (target argmax per slot) in the batch"
         )
-    doc, loss_mask = batch["document_ids"], batch["loss_mask"]
     stats = torch.zeros(len(STAT_KEYS), ttt_steps, dtype=torch.float64, device=device)
-    loss = last_hidden.new_zeros((), dtype=torch.float32)
     all_right = torch.ones(seq_len, dtype=torch.bool, device=device)  # every step so far correct
     all_right_true = all_right.clone()
-    steps = model.ttt_hidden_states(batch, ttt_steps, attention, activation_checkpointing)
-    for step, hidden in enumerate(steps):
-        valid, supervised = step_supervision(doc, loss_mask, step)
-        n = valid.shape[0]
-        count = supervised.sum()
-        weight = supervised.float() * (gamma**step / count.clamp(min=1).float())  # [n]
-        if shared is not None:
-            part, kl, draft_ids = onepass_kl(
-                model, hidden[:n], p_target[1 + step :], neg_entropy[1 + step :], weight
-            )
-        else:
-            part, kl, draft_ids = chunked_kl(
-                model, hidden[:n], last_hidden[1 + step :], weight, loss_chunk_size
-            )
-        loss = loss + part
+    for step in range(ttt_steps):
+        supervised, count = sup[step]
+        n = supervised.shape[0]
+        _, kl, draft_ids = _joined(loss, kls[step], ids[step], last_hidden)
         target_slot = torch.arange(n, device=device) + 1 + step
         right = draft_ids == restricted_ids[target_slot]  # [n]
         right_true = (draft_ids + model.d2t[draft_ids]) == true_ids[target_slot]  # [n]
         before, before_true = all_right[:n].clone(), all_right_true[:n].clone()
         all_right[:n] &= right
         all_right_true[:n] &= right_true
-        sup = supervised
+        s = supervised
         stats[:, step] = torch.stack(
             [
-                (kl * sup).sum().double(),
-                (all_right[:n] & sup).sum().double(),
-                (all_right[:n] & sup).sum().double(),
-                (before & sup).sum().double(),
-                (all_right_true[:n] & sup).sum().double(),
-                (all_right_true[:n] & sup).sum().double(),
-                (before_true & sup).sum().double(),
+                (kl * s).sum().double(),
+                (all_right[:n] & s).sum().double(),
+                (all_right[:n] & s).sum().double(),
+                (before & s).sum().double(),
+                (all_right_true[:n] & s).sum().double(),
+                (all_right_true[:n] & s).sum().double(),
+                (before_true & s).sum().double(),
                 count.double(),
             ]
         )

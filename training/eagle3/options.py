@@ -66,6 +66,36 @@ def check_attention(attention: str, device: str) -> None:
         )
 
 
+CHECKPOINT_MODES = ("none", "selective", "full")
+
+
+def checkpoint_mode(value) -> str:
+    """The activation checkpointing mode a config value names: none, selective or full.
+
+    false / none / off: nothing recomputed. selective: each decoder step keeps its matmul outputs and recomputes
+    the cheap work between them (norms, RoPE, SiLU, the attention's blockwise forward). full: each step keeps only
+    its inputs and outputs and recomputes its whole forward. true means full, as it always has: the planner's
+    memory figures for `activation_checkpointing: true` stay what they were (selective keeps more per token).
+
+    >>> [checkpoint_mode(v) for v in (False, True, "false", "true", "selective", "full", "none")]
+    ['none', 'full', 'none', 'full', 'selective', 'full', 'none']
+    >>> checkpoint_mode("fast")
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: activation_checkpointing='fast' is not one of false, selective, full (true means full)
+    """
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    text = str(value).strip().lower()
+    aliases = {"false": "none", "off": "none", "no": "none", "true": "full", "on": "full", "yes": "full"}
+    text = aliases.get(text, text)
+    if text not in CHECKPOINT_MODES:
+        raise ConfigError(
+            f"activation_checkpointing={value!r} is not one of false, selective, full (true means full)"
+        )
+    return text
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """How a run computes, every `auto` resolved for one device and world size."""
@@ -77,7 +107,7 @@ class RunOptions:
     attention: str  # flex | exact
     fsdp: bool  # as the config asks
     sharded: bool  # FSDP2 really shards: fsdp with more than one rank
-    activation_checkpointing: bool
+    activation_checkpointing: bool | str  # false | true (full) | selective | full
     loss_chunk_size: int
     ttt_steps: int
     ttt_gamma: float
@@ -158,7 +188,7 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
         attention=attention,
         fsdp=cfg.fsdp,
         sharded=cfg.fsdp and world_size > 1,
-        activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing=_checked_mode(cfg.activation_checkpointing),
         loss_chunk_size=cfg.loss_chunk_size,
         ttt_steps=cfg.ttt_steps,
         ttt_gamma=cfg.ttt_gamma,
@@ -195,3 +225,10 @@ def check_layout(layout: str, fsdp: bool, world_size: int, nodes: int) -> None:
             f"shard_layout=hsdp needs the same number of ranks on every node: {seen}; start the same "
             "--nproc-per-node on every node, or use shard_layout: full"
         )
+
+
+def _checked_mode(value):
+    """The config's value as it was given (true/false stay booleans: the planner and status files print them),
+    refused with a ConfigError when it names no mode."""
+    checkpoint_mode(value)
+    return value

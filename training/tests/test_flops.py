@@ -33,10 +33,16 @@ def test_step_flops_match_a_hand_count():
 def test_chunked_loss_and_checkpointing_add_what_they_recompute():
     off = step_flops(TINY, 4, 2, loss_chunk_size=0, doc_len=4)
     chunked = step_flops(TINY, 4, 2, loss_chunk_size=2, doc_len=4)
-    both = step_flops(TINY, 4, 2, loss_chunk_size=2, activation_checkpointing=True, doc_len=4)
-    assert chunked["total"] - off["total"] == 2 * 3 * 8 * 10 + 2 * 2 * 8 * 10  # the target logits per step
-    assert both["recompute"] == 2 * 6656 + 4 * 4 * 2 * (10 + 14)  # one more forward of each decoder step
-    assert both["forward"] == chunked["forward"] and both["backward"] == chunked["backward"]
+    full = step_flops(TINY, 4, 2, loss_chunk_size=2, activation_checkpointing="full", doc_len=4)
+    selective = step_flops(TINY, 4, 2, loss_chunk_size=2, activation_checkpointing="selective", doc_len=4)
+    assert chunked == off  # the target side once per row, chunked or not
+    down = 2 * 4 * 16 * 8  # down_proj [4, 16] @ [16, 8]: not recomputed (its output is read by no backward)
+    attn_fwd = 4 * 4 * 2 * (10 + 14)
+    assert full["recompute"] == 2 * (6656 - down) + attn_fwd  # one more forward of each decoder step
+    assert selective["recompute"] == attn_fwd  # the matmul outputs kept: only the attention's forward again
+    assert step_flops(TINY, 4, 2, activation_checkpointing=True, doc_len=4) == full  # true is full
+    for f in (full, selective):
+        assert f["forward"] == chunked["forward"] and f["backward"] == chunked["backward"]
 
 
 def test_attention_pairs_follow_documents():

@@ -99,26 +99,59 @@ def _ttt_run(make_model, cfg, batch, **kw):
     return loss.detach(), stats, grads
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 40, 4096])
-def test_ttt_loss_paths_agree_with_the_checkpointed_one(
-    make_model, make_row, tiny_config, monkeypatch, chunk
-):
-    """loss_chunk_size 0 (one pass, target shared over the steps) and chunked FusedKL give the former checkpointed
-    path's loss, statistics and gradients (lm_head training, so its gradient made in forward is checked too)."""
-    import eagle3.model as model_module
+def _reference_loss(make_model, cfg, batch):
+    """The former per-step path: each TTT step's loss made as the step is made, every loss chunk under checkpoint
+    with its target logits made there (eagle3.loss.checkpointed_kl)."""
+    from eagle3.model import step_supervision
 
+    model = make_model(cfg, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    for step, hidden in enumerate(model.ttt_hidden_states(batch, 3, "exact")):
+        _, supervised = step_supervision(batch["document_ids"], batch["loss_mask"], step)
+        n = supervised.shape[0]
+        weight = supervised.float() / supervised.sum().clamp(min=1).float()  # as the trainer: fp32 weights
+        part, _, _ = loss_module.checkpointed_kl(
+            model, hidden[:n], batch["last_hidden"][1 + step :], weight, 40
+        )
+        loss = loss + part
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("chunk", [1, 40, 4096])
+def test_ttt_loss_paths_agree_with_the_checkpointed_one(make_model, make_row, tiny_config, chunk):
+    """The target-chunked loss (a chunk's target side made once and shared by the TTT steps) gives the former
+    per-step checkpointed path's loss and gradients, and the one pass's (loss_chunk_size 0) loss, statistics and
+    gradients (lm_head training, so its gradient made in forward is checked too)."""
     cfg = tiny_config(train_lm_head=True)
     row = make_row(cfg, [50, 30, 20], seq_len=128, mask_prob=0.8)
     batch = {k: v.double() if v.is_floating_point() else v for k, v in row.items()}
     loss, stats, grads = _ttt_run(make_model, cfg, batch, loss_chunk_size=chunk)
-    monkeypatch.setattr(model_module, "chunked_kl", loss_module.checkpointed_kl)
-    ref_loss, ref_stats, ref_grads = _ttt_run(make_model, cfg, batch, loss_chunk_size=40)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
-    for key in ref_stats:
-        torch.testing.assert_close(stats[key], ref_stats[key], rtol=1e-12, atol=1e-12, msg=key)
-    assert grads.keys() == ref_grads.keys() and "lm_head.weight" in grads
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-13, msg=name)
+    one_loss, one_stats, one_grads = _ttt_run(make_model, cfg, batch, loss_chunk_size=0)
+    ref_loss, ref_grads = _reference_loss(make_model, cfg, batch)
+    for want, want_grads in ((ref_loss, ref_grads), (one_loss, one_grads)):
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        assert grads.keys() == want_grads.keys() and "lm_head.weight" in grads
+        for name in grads:
+            torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-10, atol=1e-13, msg=name)
+    for key in one_stats:
+        torch.testing.assert_close(stats[key], one_stats[key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+def test_chunked_loss_makes_the_target_logits_once_per_row(make_model, make_row, tiny_config):
+    """With loss chunks smaller than the row the target head runs over each target slot once (not once per TTT
+    step): the verifier head's matmuls see S rows in all, as the one pass's."""
+    from eagle3.model import ttt_forward
+
+    cfg = tiny_config()
+    row = make_row(cfg, [50, 30, 20], seq_len=128, mask_prob=0.8)
+    for chunk in (0, 16):
+        model = make_model(cfg)
+        rows = []
+        model.verifier_lm_head.register_forward_hook(lambda m, i, o, rows=rows: rows.append(i[0].shape[0]))
+        ttt_forward(model, row, ttt_steps=3, attention="exact", loss_chunk_size=chunk)
+        assert sum(rows) == 128, (chunk, rows)
 
 
 def test_fused_kl_keeps_no_vocab_sized_tensor_for_backward(make_model):

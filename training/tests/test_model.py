@@ -231,3 +231,109 @@ def test_norm_before_residual_adds_the_normed_hidden_half(make_model, make_row, 
         h_before = next(before.ttt_hidden_states(batch, 1, "exact"))
     torch.testing.assert_close(h_plain, fc_out, rtol=0, atol=0)
     torch.testing.assert_close(h_before, before.layers[0].hidden_norm(fc_out), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"norm_output": True, "fc_norm": True, "num_kv_heads": 2}])
+def test_selective_checkpointing_gives_the_loss_and_gradients_of_none_and_full(
+    make_model, make_row, tiny_config, options
+):
+    """activation_checkpointing selective (matmul outputs kept, the rest recomputed) and full give the loss and
+    gradients of no checkpointing, in fp64 to a tight tolerance; true means full."""
+    from eagle3.model import ttt_forward
+
+    cfg = tiny_config(**options)
+    row = make_row(cfg, [50, 30, 20], seq_len=128, mask_prob=0.8)
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in row.items()}
+    results = {}
+    for mode in (False, "selective", "full", True):
+        model = make_model(cfg, dtype=torch.float64)
+        loss, stats = ttt_forward(
+            model, batch, ttt_steps=4, activation_checkpointing=mode, loss_chunk_size=40, attention="exact"
+        )
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results[mode] = (loss.detach(), stats, grads)
+    loss0, stats0, grads0 = results[False]
+    assert "fc.weight" in grads0 and "layers.0.mlp.down_proj.weight" in grads0
+    for mode in ("selective", "full", True):
+        loss, stats, grads = results[mode]
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12, msg=str(mode))
+        for key in stats0:
+            torch.testing.assert_close(stats[key], stats0[key], rtol=0, atol=0, msg=key)
+        assert grads.keys() == grads0.keys()
+        for name in grads0:
+            torch.testing.assert_close(
+                grads[name], grads0[name], rtol=1e-10, atol=1e-12, msg=f"{mode} {name}"
+            )
+
+
+def test_selective_checkpointing_recomputes_no_matmul(make_model, make_row, tiny_config):
+    """Backward under selective checkpointing runs the matmuls of the gradients only: as many aten.mm calls as
+    without checkpointing (the kept outputs are not made again), where full checkpointing runs the step's forward
+    matmuls again: 6 of its 7 linear layers per TTT step (down_proj's output is read by no backward, and the
+    non-reentrant checkpoint stops recomputing once it has what backward needs)."""
+    from eagle3.model import ttt_forward
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMM(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                self.mm += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = tiny_config()
+    row = make_row(cfg, [50, 30, 20], seq_len=128)
+    counts = {}
+    for mode in (False, "selective", "full"):
+        model = make_model(cfg)
+        loss, _ = ttt_forward(model, row, ttt_steps=3, activation_checkpointing=mode, attention="exact")
+        with CountMM() as counter:
+            loss.backward()
+        counts[mode] = counter.mm
+    assert counts["selective"] == counts[False]
+    assert counts["full"] == counts[False] + 3 * 6
+
+
+def test_activation_checkpointing_values_are_validated_before_anything_runs():
+    from eagle3.config import TrainConfig
+    from eagle3.errors import ConfigError
+    from eagle3.options import checkpoint_mode, resolve_options
+
+    assert [checkpoint_mode(v) for v in (False, True, "selective", "full")] == [
+        "none",
+        "full",
+        "selective",
+        "full",
+    ]
+    for value in ("full", "selective", True, False):
+        assert (
+            resolve_options(TrainConfig(activation_checkpointing=value), "cpu").activation_checkpointing
+            == value
+        )
+    with pytest.raises(
+        ConfigError, match=r"activation_checkpointing='sometimes' is not one of false, selective, full"
+    ):
+        resolve_options(TrainConfig(activation_checkpointing="sometimes"), "cpu")
+
+
+def test_selective_checkpointing_runs_under_bf16_autocast(make_model, make_row, tiny_config):
+    """Under autocast (the CUDA default) selective checkpointing recomputes the same ops as its forward (autocast's
+    weight-cast cache would otherwise change them) and gives full checkpointing's loss and gradients."""
+    from eagle3.model import ttt_forward
+
+    cfg = tiny_config()
+    row = make_row(cfg, [50, 30, 20], seq_len=128, mask_prob=0.8)
+    results = {}
+    for mode in ("selective", "full"):
+        model = make_model(cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = ttt_forward(model, row, ttt_steps=3, activation_checkpointing=mode, attention="exact")
+        loss.backward()
+        results[mode] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(results["selective"][0], results["full"][0], rtol=1e-3, atol=1e-3)
+    for name, grad in results["full"][1].items():
+        torch.testing.assert_close(results["selective"][1][name], grad, rtol=2e-2, atol=2e-3, msg=name)

@@ -54,6 +54,9 @@ CASES += [
     for ckpt in (False, True)
 ]
 CASES += [("h96", 768, "fp32", True), ("h128", 768, "bf16", False), ("kimi-eighth", 512, "bf16", True)]
+# selective activation checkpointing: the step's matmul outputs held, the rest recomputed
+CASES += [("h96", 768, "fp32", "selective"), ("h128-gqa", 768, "bf16", "selective")]
+CASES += [("kimi-eighth", 512, "bf16", "selective")]
 
 
 @pytest.mark.parametrize(("name", "seq_len", "dtype", "ckpt"), CASES)

@@ -392,9 +392,15 @@ def checkpointed_step_terms(
 def activation_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -> dict[str, int]:
     """Bytes held at the end of the forward pass (summed over the TTT steps), by name."""
     terms = dict(once_held_terms(shape, seq_len, opts))
+    mode = options.checkpoint_mode(opts.activation_checkpointing)
     for step in range(ttt_steps):
-        if opts.activation_checkpointing:
+        if mode != "none":
             step_terms = checkpointed_step_terms(shape, seq_len, step, ttt_steps, opts)
+            if mode == "selective":  # eagle3.model SAVED_OPS: the outputs of q/k/v, o, gate, up and down
+                h, i = shape.hidden_size, shape.intermediate_size
+                step_terms["kept_matmuls"] = (
+                    seq_len * opts.act_bytes * (shape.attention_dim + 2 * shape.kv_dim + 2 * h + 2 * i)
+                )
         else:
             step_terms = step_held_terms(shape, seq_len, step, opts)
         for name, value in step_terms.items():
@@ -510,6 +516,8 @@ def transient_terms(shape: Shape, seq_len: int, ttt_steps: int, opts: Options) -
         # the recomputed forward saves what the plain step saves, except what lives outside the checkpoint
         outside = ("step_output", "loss_weight", "rope_tables", "norm_output")
         decoder += sum(v for name, v in last.items() if name not in outside)
+        if options.checkpoint_mode(opts.activation_checkpointing) == "selective":
+            decoder -= s * lp * 2 * i  # gate and up: kept from the forward (kept_matmuls), not made again
         if opts.autocast and not opts.bf16_params:
             decoder += 2 * layer  # the layer's bf16 weight copies, made again
     return {"loss_chunk": loss_chunk, "decoder_step": decoder}
