@@ -78,6 +78,9 @@ def worker_throughput(args) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = packed_rows(args.data, args.seq_len, args.steps + 1)
     chunk = {} if args.loss_chunk_size is None else {"loss_chunk_size": args.loss_chunk_size}
+    if args.budget_mib:  # the planner's choice for this length and budget (eagle3.plan.memory_options_choice)
+        mode, size = planned_memory_options(model.cfg, args.seq_len, args.ttt_steps, args.budget_mib)
+        chunk = {"activation_checkpointing": mode, "loss_chunk_size": size}
     forward = run_options(ttt_steps=args.ttt_steps, **chunk).ttt_kwargs()
     times, tokens = [], []
     for i in range(args.steps + 1):
@@ -104,6 +107,7 @@ def worker_throughput(args) -> dict:
     return {
         "shape": {k: getattr(model.cfg, k) for k in (*keys, "num_kv_heads")},
         "loss_chunk_size": forward["loss_chunk_size"],
+        "activation_checkpointing": forward["activation_checkpointing"],
         "doc_lengths": doc_lengths,
         "seq_len": args.seq_len,
         "ttt_steps": args.ttt_steps,
@@ -111,6 +115,27 @@ def worker_throughput(args) -> dict:
         "tokens_per_s": statistics.median(tokens) / step,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
+
+
+def planned_memory_options(cfg, seq_len: int, ttt_steps: int, budget_mib: float):
+    """(activation_checkpointing, loss_chunk_size) the planner picks for a CPU fp32 run of this drafter at
+    `seq_len` within `budget_mib` of predicted peak (no reserve: the interpreter and torch are not counted)."""
+    from eagle3 import plan
+
+    keys = (
+        "hidden_size",
+        "num_heads",
+        "head_dim",
+        "intermediate_size",
+        "draft_vocab_size",
+        "target_vocab_size",
+    )
+    shape = plan.Shape(**{k: getattr(cfg, k) for k in keys}, num_kv_heads=cfg.num_kv_heads)
+    opts = plan.Options(autocast=False, frozen_bf16=False, attention="exact", device="cpu", reserve_gib=0)
+    choice = plan.memory_options_choice(shape, seq_len, ttt_steps, opts, 1, int(budget_mib * 2**20))
+    if choice is None:
+        raise SystemExit(f"nothing fits {budget_mib} MiB at max_seq_len {seq_len}")
+    return choice
 
 
 def eighth_model(s: int, doc_len: int = 512):
@@ -324,7 +349,7 @@ def main() -> int:
     p.add_argument("--worker", choices=("throughput", "saved", "speed"))
     p.add_argument("--data")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
@@ -338,6 +363,8 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="print the profile's top 5 of the off and on steps")
     p.add_argument("--only", choices=("speed", "lengths", "saved"), help="run one table only")
     p.add_argument("--loss-chunk-size", type=int, default=None, help="lengths table: this loss_chunk_size")
+    p.add_argument("--budget-mib", type=float, default=600.0,
+                   help="lengths table: the memory options the planner picks for this budget (0: config defaults)")  # fmt: skip
     args = p.parse_args()
     if args.worker == "throughput":
         print(json.dumps(worker_throughput(args)))
@@ -370,34 +397,51 @@ def main() -> int:
 
 
 def lengths_table(args) -> None:
-    """Tokens/s and FLOP/s per max_seq_len at the tiny shape (AdamW included; loss_chunk_size as the config's
-    default unless --loss-chunk-size)."""
+    """Tokens/s and FLOP/s per max_seq_len at the tiny shape (AdamW included), each length with the memory options
+    the planner picks for --budget-mib (0: the config's defaults, or --loss-chunk-size). The lengths run
+    interleaved, --runs rounds of one process per length; each round's figure is the median of --steps steps."""
     from eagle3 import plan
     from eagle3.flops import step_flops
     from eagle3.synth import SynthConfig, synthesize
 
     lengths = [2048] if args.quick else [int(v) for v in args.lengths.split(",")]
     steps = 1 if args.quick else args.steps
+    runs = 1 if args.quick else args.runs
     with tempfile.TemporaryDirectory(prefix="eagle3_bench_") as tmp:
         # Enough documents for the longest row plus the timed steps.
         need = max(lengths) * (steps + 1)
         synthesize(
             tmp, SynthConfig(num_samples=max(64, need // 240 + 16), max_len=512), log=lambda *a, **k: None
         )
+        chosen = (
+            f"the planner's choice for a {args.budget_mib:g} MiB budget (predicted peak, CPU fp32, no reserve)"
+            if args.budget_mib
+            else f"loss_chunk_size {'default (4096)' if args.loss_chunk_size is None else args.loss_chunk_size}"
+        )
         print(f"\ntiny shape (hidden 64, 4x16 heads, MLP 192, V 512/1024), ttt_steps {args.ttt_steps}, exact attention, "
-              f"loss_chunk_size {'default (4096)' if args.loss_chunk_size is None else args.loss_chunk_size}, "
-              f"forward+backward+AdamW, median of {steps} step(s)")  # fmt: skip
-        print(f"{'max_seq_len':>11} {'step s':>8} {'tokens/s':>9} {'GFLOP/s':>8} {'peak RSS GiB':>13}")
+              f"{chosen}, forward+backward+AdamW; {runs} interleaved rounds, each the median of {steps} step(s)")  # fmt: skip
+        results: dict[int, list[dict]] = {s: [] for s in lengths}
+        for _ in range(runs):
+            for s in lengths:
+                extra = ["--budget-mib", str(args.budget_mib)] if args.budget_mib else []
+                if args.loss_chunk_size is not None and not args.budget_mib:
+                    extra = ["--loss-chunk-size", str(args.loss_chunk_size)]
+                results[s].append(run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--steps", str(steps),
+                                              "--ttt-steps", str(args.ttt_steps), *extra], args.threads))  # fmt: skip
+        print(f"{'max_seq_len':>11} {'ckpt':>9} {'chunk':>5} {'min s':>7} {'median s':>8} {'tokens/s max':>12} "
+              f"{'tokens/s med':>12} {'GFLOP/s':>8} {'peak RSS GiB':>13}")  # fmt: skip
         for s in lengths:
-            chunk = [] if args.loss_chunk_size is None else ["--loss-chunk-size", str(args.loss_chunk_size)]
-            r = run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--steps", str(steps),
-                                          "--ttt-steps", str(args.ttt_steps), *chunk], args.threads)  # fmt: skip
+            rs = results[s]
+            r = rs[0]
             shape = plan.Shape(**r["shape"])
-            f = step_flops(
-                shape, s, args.ttt_steps, loss_chunk_size=r["loss_chunk_size"], doc_len=r["doc_lengths"]
-            )
-            print(f"{s:>11} {r['step_s']:>8.2f} {r['tokens_per_s']:>9.0f} {f['total'] / r['step_s'] / 1e9:>8.2f} "
-                  f"{r['peak_rss_gb']:>13.2f}", flush=True)  # fmt: skip
+            f = step_flops(shape, s, args.ttt_steps, loss_chunk_size=r["loss_chunk_size"],
+                           activation_checkpointing=r["activation_checkpointing"], doc_len=r["doc_lengths"])  # fmt: skip
+            times = [x["step_s"] for x in rs]
+            rates = [x["tokens_per_s"] for x in rs]
+            best, med = min(times), statistics.median(times)
+            print(f"{s:>11} {r['activation_checkpointing']!s:>9} {r['loss_chunk_size']:>5} {best:>7.3f} {med:>8.3f} "
+                  f"{max(rates):>12.0f} {statistics.median(rates):>12.0f} {f['total'] / best / 1e9:>8.2f} "
+                  f"{max(x['peak_rss_gb'] for x in rs):>13.2f}", flush=True)  # fmt: skip
 
 
 def saved_table(args) -> None:

@@ -342,3 +342,20 @@ def test_grouped_query_attention_shrinks_kv_activations_and_weights_by_heads_ove
         assert (
             diff == s * saved["activation_bytes_per_token"] + 2 * saved["weights"]
         )  # + autocast weight copies
+
+
+def test_memory_options_choice_takes_the_fastest_that_fits():
+    """No checkpointing while it fits, then selective, then full; the loss chunking each needs."""
+    kimi = P.SHAPES["kimi-k2.5"]
+    opts = P.Options(fsdp=True)
+    budget = P.budget_bytes(141, 0.1)
+    choices = [P.memory_options_choice(kimi, s, 5, opts, 8, budget) for s in (8192, 65536, 131072, 10**6)]
+    assert [c and c[0] for c in choices] == [False, "selective", "full", None]
+    for s, choice in zip((8192, 65536, 131072), choices, strict=False):
+        mode, chunk = choice
+        fits = dataclasses.replace(opts, activation_checkpointing=mode, loss_chunk_size=chunk)
+        assert P.predict_peak_bytes(kimi, s, 5, fits, 8) <= budget
+    lean = dataclasses.replace(opts, activation_checkpointing="selective")
+    assert P.activation_bytes(kimi, 32768, 5, lean) > P.activation_bytes(
+        kimi, 32768, 5, dataclasses.replace(opts, activation_checkpointing="full")
+    )

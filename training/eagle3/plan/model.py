@@ -741,6 +741,36 @@ def loss_chunk_choice(
     return None
 
 
+# The memory options from the fastest to the leanest (docs/speed.md): no checkpointing, selective (the step's matmul
+# outputs kept), full (the step's forward recomputed).
+CHECKPOINT_CHOICES = (False, "selective", "full")
+
+
+def memory_options_choice(
+    shape: Shape, seq_len: int, ttt_steps: int, opts: Options, world_size: int, budget: int
+) -> tuple[bool | str, int] | None:
+    """The fastest memory options that fit `budget` at `seq_len`: (activation_checkpointing, loss_chunk_size),
+    checkpointing only when memory needs it and then the selective mode before the full one, each with the loss
+    chunking it needs (loss_chunk_choice); None when nothing fits.
+
+    >>> kimi = SHAPES["kimi-k2.5"]
+    >>> memory_options_choice(kimi, 8192, 5, Options(fsdp=True), 8, budget_bytes(141, 0.1))
+    (False, 0)
+    >>> memory_options_choice(kimi, 32768, 5, Options(fsdp=True), 8, budget_bytes(141, 0.1))
+    (False, 0)
+    >>> memory_options_choice(kimi, 65536, 5, Options(fsdp=True), 8, budget_bytes(141, 0.1))
+    ('selective', 0)
+    >>> memory_options_choice(kimi, 131072, 5, Options(fsdp=True), 8, budget_bytes(141, 0.1))
+    ('full', 0)
+    """
+    for mode in CHECKPOINT_CHOICES:
+        o = dataclasses.replace(opts, activation_checkpointing=mode)
+        chunk = loss_chunk_choice(shape, seq_len, ttt_steps, o, world_size, budget)
+        if chunk is not None:
+            return mode, chunk
+    return None
+
+
 # ----------------------------------------------------------------------------------------------- from a trainer config
 
 
