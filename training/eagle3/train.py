@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -206,26 +207,28 @@ def advance(state: ckpt.TrainerState, samples: int, plan_len: int) -> None:
 
 
 class RowPrefetcher:
-    """Reads the next step's row in one background thread while the current step computes.
+    """Reads the coming steps' rows in one background thread while the current step computes.
 
     The thread has its own DatasetReader (its own shard handles), so nothing is shared with the main
     thread's reads during validation; every read of this reader runs on that one thread. A row is read
     straight into its final tensors (`DatasetReader.read_row`), in pinned memory when `pin_memory` (CUDA) so the
-    step's copy to the GPU runs with non_blocking=True. Rows rotate through `BUFFERS` row buffers, reused
-    without a new allocation (page faults or pinned allocations cost as much as the read itself): a row
-    returned by `get` stays valid until the next `get` returns (the trainer uses it for one step; the buffer
-    is overwritten two reads later). Errors (bad shard, out of memory) surface in `get`.
+    step's copy to the GPU runs with non_blocking=True. Up to `depth` rows are queued ahead (`schedule`, in step
+    order); rows rotate through depth + 2 row buffers, reused without a new allocation (page faults or pinned
+    allocations cost as much as the read itself): a row returned by `get` stays valid until the next `get`
+    returns (the trainer uses it for one step). Errors (bad shard, out of memory) surface in `get`.
     """
 
-    BUFFERS = 3  # the step's row, the next one being read, one spare
-
-    def __init__(self, data_dir: str, max_seq_len: int, pin_memory: bool):
+    def __init__(self, data_dir: str, max_seq_len: int, pin_memory: bool, depth: int = 1):
+        if depth < 1:
+            raise ValueError(f"prefetch depth {depth} must be at least 1")
         self.reader = DatasetReader(data_dir)
         self.max_seq_len = max_seq_len
         self.pin_memory = pin_memory
+        self.depth = depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-fetch")
-        self.pending: tuple[tuple[int, int], Future] | None = None
-        self.buffers: list[dict | None] = [None] * self.BUFFERS
+        self.pending: deque[tuple[tuple[int, int], Future]] = deque()
+        # the step's row, one spare, `depth` queued: a read never lands in the row the caller holds
+        self.buffers: list[dict | None] = [None] * (depth + 2)
         self.turn = 0  # the buffer the next read fills (used on the worker thread only)
 
     def fetch(self, sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
@@ -233,27 +236,35 @@ class RowPrefetcher:
         (what Trainer.fetch_row returns, read without the per-sample copies)."""
         real = bool(sample_ids)
         ids = sample_ids if real else [filler_id]
-        slot, self.turn = self.turn, (self.turn + 1) % self.BUFFERS
+        slot, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
         row = self.reader.read_row(ids, self.max_seq_len, pin_memory=self.pin_memory, out=self.buffers[slot])
         self.buffers[slot] = row
         if not bool(row["loss_mask"].any()):
             real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
         return row, real
 
+    def scheduled(self, key: tuple[int, int]) -> bool:
+        return any(k == key for k, _ in self.pending)
+
     def schedule(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> None:
-        self.pending = (key, self.pool.submit(self.fetch, sample_ids, filler_id))
+        """Queue the read of an upcoming step's row; at most `depth` are queued (the oldest is dropped)."""
+        if len(self.pending) >= self.depth:
+            self.pending.popleft()[1].cancel()
+        self.pending.append((key, self.pool.submit(self.fetch, sample_ids, filler_id)))
 
     def get(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
-        pending, self.pending = self.pending, None
-        if pending is not None and pending[0] == key:
-            return pending[1].result()
+        while self.pending:
+            queued, future = self.pending.popleft()
+            if queued == key:
+                return future.result()
+            future.cancel()  # a stale read (another position): dropped
         # Not prefetched (the first step, a resume): read it now, on the same thread, after any stale read.
         return self.pool.submit(self.fetch, sample_ids, filler_id).result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.reader.close()
-        self.buffers = [None] * self.BUFFERS
+        self.buffers = [None] * len(self.buffers)
 
 
 class Trainer:

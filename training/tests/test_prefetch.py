@@ -147,7 +147,7 @@ def test_prefetcher_serves_prefetched_and_missed_rows(dataset):
             held.append((k, row))
             if k + 1 < len(steps) and k != 2:  # no prefetch after step 2: step 3 is a miss
                 prefetch.schedule((0, k + 1), steps[k + 1], 0)
-                prefetch.pending[1].result()  # let the read finish before the checks above run again
+                prefetch.pending[-1][1].result()  # let the read finish before the checks above run again
         # a stale prefetch (another key) is dropped, the asked-for row read
         prefetch.schedule((1, 0), [10], 0)
         row, _ = prefetch.get((1, 5), [11], 0)
@@ -173,5 +173,32 @@ def test_prefetcher_pins_rows(dataset):
     try:
         row, _ = prefetch.get((0, 0), [1, 2], 0)
         assert all(v.is_pinned() for v in row.values())
+    finally:
+        prefetch.close()
+
+
+def test_deeper_prefetch_queues_rows_in_order(dataset):
+    reader = DatasetReader(dataset)
+    steps = [[k] for k in range(12)]
+    with pytest.raises(ValueError, match="at least 1"):
+        RowPrefetcher(str(dataset), 128, pin_memory=False, depth=0)
+    prefetch = RowPrefetcher(str(dataset), 128, pin_memory=False, depth=3)
+    try:
+        prev = None
+        for k, ids in enumerate(steps):
+            row, _ = prefetch.get((0, k), ids, 0)
+            if k == 0:  # fill the queue: steps 1, 2, 3
+                for ahead in range(1, 4):
+                    prefetch.schedule((0, ahead), steps[ahead], 0)
+            elif k + 3 < len(steps):
+                prefetch.schedule((0, k + 3), steps[k + 3], 0)
+            assert len(prefetch.pending) == min(3, len(steps) - 1 - k)
+            for _, future in list(prefetch.pending):
+                future.result()  # every queued read done: none may touch the rows held
+            assert_same_bytes(row, reference_row(reader, ids, 128))
+            if prev is not None:
+                assert_same_bytes(prev[1], reference_row(reader, steps[prev[0]], 128))
+            prev = (k, row)
+        assert len(prefetch.buffers) == 5
     finally:
         prefetch.close()
