@@ -23,7 +23,6 @@ import sys
 import time
 import traceback
 import warnings
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -226,7 +225,7 @@ class RowPrefetcher:
         self.pin_memory = pin_memory
         self.depth = depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-fetch")
-        self.pending: deque[tuple[tuple[int, int], Future]] = deque()
+        self.pending: list[tuple[tuple[int, int], Future]] = []  # oldest first, at most `depth`
         # the step's row, one spare, `depth` queued: a read never lands in the row the caller holds
         self.buffers: list[dict | None] = [None] * (depth + 2)
         self.turn = 0  # the buffer the next read fills (used on the worker thread only)
@@ -249,12 +248,12 @@ class RowPrefetcher:
     def schedule(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> None:
         """Queue the read of an upcoming step's row; at most `depth` are queued (the oldest is dropped)."""
         if len(self.pending) >= self.depth:
-            self.pending.popleft()[1].cancel()
+            self.pending.pop(0)[1].cancel()
         self.pending.append((key, self.pool.submit(self.fetch, sample_ids, filler_id)))
 
     def get(self, key: tuple[int, int], sample_ids: list[int], filler_id: int) -> tuple[dict, bool]:
         while self.pending:
-            queued, future = self.pending.popleft()
+            queued, future = self.pending.pop(0)
             if queued == key:
                 return future.result()
             future.cancel()  # a stale read (another position): dropped
