@@ -12,11 +12,13 @@ computes its draft and target logits once, turns them into the gradient with res
 Nothing is recomputed and no fp32 [chunk, V] tensor outlives its chunk; what stays is one [N, H] gradient per
 TTT step, the size of the hidden state itself (docs/speed.md).
 
-`chunked_kl` walks the positions in chunks of `chunk_size` (the target logits of each chunk computed there);
-`onepass_kl` takes the target probabilities of the whole row, computed once per row and shared by every TTT
-step (`target_probs`): loss_chunk_size=0, or a chunk size at least the row's length (eagle3.model). `checkpointed_kl` is the former path (each chunk under
-`torch.utils.checkpoint`, both logits recomputed in backward), kept for the parity tests; `eager_kl` is the
-plain autograd reference (all positions at once).
+The trainer (eagle3.model._ttt_loss) runs every TTT step first, then walks the row in chunks of *target* slots
+(loss_chunk_size; 0: the whole row): a chunk's target logits, argmax and probabilities (`target_probs`) are made
+once and shared by every TTT step whose supervised slots read that chunk (step k's slot j reads target slot
+j+1+k), one `fused_kl` call per chunk and step, so the target side costs one pass over the row at any chunk size.
+`chunked_kl` walks the positions of one step in chunks of `chunk_size` (the target logits of each chunk computed
+there); `checkpointed_kl` is the former path (each chunk under `torch.utils.checkpoint`, both logits recomputed in
+backward), kept for the parity tests; `eager_kl` is the plain autograd reference (all positions at once).
 
 The model passed in provides `draft_logits(h)` and `target_logits(y)` (see eagle3.model).
 """
@@ -134,12 +136,6 @@ def fused_kl(model, hidden, p_t, neg_entropy, weight):
                 _NoCtx(), hidden, norm_w, head, p_t, neg_entropy, weight, model.norm.eps, need
             )
     return FusedKL.apply(hidden, norm_w, head, p_t, neg_entropy, weight, model.norm.eps, need)
-
-
-def onepass_kl(model, hidden, p_t, neg_entropy, weight):
-    """loss_chunk_size=0: every position at once against the row's shared target probabilities (no recompute)."""
-    total, kl, ids = fused_kl(model, hidden, p_t, neg_entropy, weight)
-    return total, kl, ids
 
 
 def chunked_kl(
