@@ -1,7 +1,7 @@
 """Data path benchmark: the loader against the disk's sequential read rate of the same files and against what a
 Kimi-shaped step consumes, and the real RowPrefetcher's fetch share of a simulated Kimi step.
 
-    .venv-train/bin/python bench/loader.py                  # both shapes, 5 interleaved repeats (about 2 min)
+    .venv-train/bin/python bench/loader.py                  # both shapes, 5 interleaved repeats (2-5 min, by load)
     .venv-train/bin/python bench/loader.py --repeats 3 --kimi-tokens 16384 --row-tokens 2048   # quicker
 
 The trainer reads the next step's row on a background thread (eagle3.train.RowPrefetcher) straight into its
@@ -179,7 +179,7 @@ def mm(values, fmt="{:.0f}") -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=65536, help="tokens of the hidden-896 dataset")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens of the hidden-896 dataset")
     p.add_argument("--kimi-tokens", type=int, default=32768, help="tokens of the hidden-7168 dataset")
     p.add_argument("--seq-len", type=int, default=8192, help="row length of the loader measurements")
     p.add_argument("--doc-len", type=int, default=1024, help="mean document length")
