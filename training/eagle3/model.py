@@ -685,7 +685,10 @@ def _ttt_loss(
         del p_t, neg_entropy
     del hiddens
     restricted_ids = torch.cat(restricted) if restricted else torch.zeros(0, dtype=torch.long, device=device)
-    true_ids = torch.cat(true) if true and true[0] is not None else None
+    if true and true[0] is not None:
+        true_ids = torch.cat(true)
+    else:  # an empty row has no chunk: no ids, but the head decides whether there would be
+        true_ids = restricted_ids if not true and getattr(model, "_full_head", False) else None
     if "target_ids" in batch:
         true_ids = batch["target_ids"].long()
     if true_ids is None:
