@@ -159,6 +159,11 @@ class TrainConfig:
         bound=NON_NEGATIVE,
     )  # fmt: skip
     num_threads: int = option(0, "CPU threads per rank; 0: torch's default", bound=NON_NEGATIVE)
+    prefetch_depth: int = option(
+        2, "rows the background loader reads ahead of the step; each holds a row of max_seq_len x (4 x hidden "
+        "x 2 + 9) bytes (pinned on CUDA; depth + 2 of them): 2 hides one slow read behind two steps",
+        bound=AT_LEAST_1,
+    )  # fmt: skip
     standin_gpu_devices: list[str] = field(
         default_factory=list,
         metadata=about("rank r holds entry r % n open, as a CUDA process holds /dev/nvidia* (tests)"),

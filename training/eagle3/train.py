@@ -284,7 +284,7 @@ class Trainer:
         self.train_ids: list[int] = []
         self.val_ids: list[int] = []
         self.run_options: options.RunOptions | None = None
-        self._plan: EpochPlan | None = None  # the epoch plan last asked for (plan)
+        self._plans: dict[int, EpochPlan] = {}  # the two epoch plans last asked for (plan)
         # build_model: the drafter, what a step calls (DDP around it, or FSDP-sharded), optimizer and schedule
         self.drafter_config: DrafterConfig | None = None
         self.model: Eagle3Drafter | None = None
@@ -339,8 +339,9 @@ class Trainer:
             self.log(note)
 
     def plan(self, epoch: int) -> EpochPlan:
-        if self._plan is None or self._plan.epoch != epoch:
-            self._plan = plan_epoch(
+        plan = self._plans.get(epoch)
+        if plan is None:  # two are kept: the prefetch queue may reach into the next epoch
+            plan = plan_epoch(
                 self.train_ids,
                 self.reader.index.lengths,
                 max_seq_len=self.cfg.max_seq_len,
@@ -348,7 +349,8 @@ class Trainer:
                 seed=self.cfg.seed,
                 epoch=epoch,
             )
-        return self._plan
+            self._plans = {**{e: p for e, p in self._plans.items() if e == epoch - 1}, epoch: plan}
+        return plan
 
     def build_model(self) -> None:
 
@@ -449,13 +451,15 @@ class Trainer:
             row = {k: v.pin_memory() for k, v in row.items()}  # lets the copy to the GPU run asynchronously
         return row, real
 
-    def next_position(self, state: ckpt.TrainerState) -> tuple[int, int] | None:
-        """(epoch, index in the epoch plan) of the step after the current one, or None at the end."""
-        if state.step + 1 >= self.total_steps:
-            return None
-        if state.step_in_epoch + 1 < len(self.plan(state.epoch)):
-            return state.epoch, state.step_in_epoch + 1
-        return state.epoch + 1, 0
+    def upcoming_positions(self, state: ckpt.TrainerState, n: int) -> list[tuple[int, int]]:
+        """(epoch, index in the epoch plan) of the next n steps after the current one (fewer at the end)."""
+        out, epoch, index = [], state.epoch, state.step_in_epoch
+        for _ in range(max(0, min(n, self.total_steps - state.step - 1))):
+            index += 1
+            if index >= len(self.plan(epoch)):
+                epoch, index = epoch + 1, 0
+            out.append((epoch, index))
+        return out
 
     def to_device(self, row: dict) -> dict:
         non_blocking = self.info.device.type == "cuda"
@@ -545,7 +549,9 @@ class Trainer:
             record_file = (Path(cfg.run_dir) / f"samples_rank{info.rank}.jsonl").open("a")
         self.model.train()
         stopped = False
-        prefetch = RowPrefetcher(cfg.data_dir, cfg.max_seq_len, pin_memory=info.device.type == "cuda")
+        prefetch = RowPrefetcher(
+            cfg.data_dir, cfg.max_seq_len, pin_memory=info.device.type == "cuda", depth=cfg.prefetch_depth
+        )
         hang_at = fault_hang_step(info.rank)  # tests only: EAGLE3_FAULT_HANG_AT_STEP
         progress = ProgressLine(cfg.progress_every_s, start_step=state.step)
         while state.step < self.total_steps:
@@ -594,16 +600,14 @@ class Trainer:
     def next_row(
         self, prefetch: RowPrefetcher, state: ckpt.TrainerState, sample_ids: list[int]
     ) -> tuple[dict, bool]:
-        """This step's row (read during the previous step) and (row, real); schedules the next step's read."""
+        """This step's row (read ahead during earlier steps) and (row, real); queues the reads of the next
+        `prefetch_depth` steps' rows, so one slow read is hidden behind several steps."""
         plan = self.plan(state.epoch)
         row, real = prefetch.get((state.epoch, state.step_in_epoch), sample_ids, plan.steps[0][0][0])
-        upcoming = self.next_position(state)
-        if upcoming is not None:  # read the next row while this step computes
-            next_plan = self.plan(upcoming[0])
-            prefetch.schedule(
-                upcoming, next_plan.steps[upcoming[1]][self.info.rank], next_plan.steps[0][0][0]
-            )
-            self.plan(state.epoch)  # keep the current epoch's plan cached
+        for position in self.upcoming_positions(state, prefetch.depth):
+            if not prefetch.scheduled(position):
+                ahead = self.plan(position[0])
+                prefetch.schedule(position, ahead.steps[position[1]][self.info.rank], ahead.steps[0][0][0])
         return row, real
 
     def train_step(

@@ -202,3 +202,23 @@ def test_deeper_prefetch_queues_rows_in_order(dataset):
         assert len(prefetch.buffers) == 5
     finally:
         prefetch.close()
+
+
+def test_the_trainer_queues_the_next_depth_steps_across_epochs_and_stops_at_the_end():
+    from types import SimpleNamespace
+
+    from eagle3.checkpoint import TrainerState
+    from eagle3.train import Trainer
+
+    plans = {0: [None] * 3, 1: [None] * 2, 2: [None] * 3}  # epochs of 3, 2 and 3 steps: 8 steps in all
+    trainer = SimpleNamespace(total_steps=8, plan=lambda epoch: plans[epoch])
+
+    def upcoming(step, epoch, index, n):
+        state = TrainerState(step, epoch, index, 0, 1, 512, 0)
+        return Trainer.upcoming_positions(trainer, state, n)
+
+    assert upcoming(0, 0, 0, 2) == [(0, 1), (0, 2)]
+    assert upcoming(1, 0, 1, 2) == [(0, 2), (1, 0)]  # into the next epoch
+    assert upcoming(2, 0, 2, 3) == [(1, 0), (1, 1), (2, 0)]
+    assert upcoming(6, 2, 1, 2) == [(2, 2)]  # step 7 of 8: only the last one is left
+    assert upcoming(7, 2, 2, 2) == []
