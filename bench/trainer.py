@@ -335,9 +335,13 @@ def print_speed(r: dict) -> None:
 
 def run_worker(kind: str, extra: list[str], threads: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(threads), *extra]
-    # a fixed mmap threshold: large tensors are their own mappings, returned to the system when freed (the saved
-    # table reads the resident set)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if (
+        kind == "saved"
+    ):  # large tensors their own mappings, returned when freed: the saved table reads the resident
+        env["MALLOC_MMAP_THRESHOLD_"] = (
+            "131072"  # set; not for timed workers (every fresh mapping page-faults)
+        )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"worker {kind} {extra} failed:\n{proc.stderr[-3000:]}")
