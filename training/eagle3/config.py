@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from eagle3.errors import ConfigError
-from eagle3.options import check_attention
+from eagle3.options import check_attention, checkpoint_mode
 
 # flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
 SEQ_BLOCK = 128
@@ -44,6 +44,11 @@ NON_NEGATIVE = Bound(">= 0", lambda v: v >= 0, "must be 0 or more")
 POSITIVE = Bound("> 0", lambda v: v > 0, "must be positive")
 UNIT_INTERVAL = Bound("(0, 1]", lambda v: 0 < v <= 1, "must be in (0, 1]")
 FRACTION = Bound("[0, 1)", lambda v: 0 <= v < 1, "must be in [0, 1)")
+CHECKPOINT_MODE = Bound(
+    "false, selective, full (true = full)",
+    lambda v: v in (False, True, "selective", "full"),
+    "is not one of false, selective, full (true means full)",
+)
 SEQ_MULTIPLE = Bound(
     f"multiple of {SEQ_BLOCK}",
     lambda v: v > 0 and v % SEQ_BLOCK == 0,
@@ -136,9 +141,11 @@ class TrainConfig:
     dtype: str = option(
         "auto", "compute dtype; auto: bf16 autocast on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp32")
     )
-    activation_checkpointing: bool = option(
-        False, "recompute the decoder layer in backward: less memory, more compute"
-    )
+    activation_checkpointing: bool | str = option(
+        False, "recompute in backward, less memory for more compute: selective keeps the decoder step's matmul "
+        "outputs and recomputes the cheap work between them (under 1 per cent more FLOPs); full (or true) keeps only "
+        "the step's inputs (least memory, about 17 per cent more FLOPs)", bound=CHECKPOINT_MODE,
+    )  # fmt: skip
     fsdp: bool = option(
         False, "FSDP2 fully_shard over the drafter (needs torchrun): bf16 params on CUDA, fp32 grad reduction"
     )
@@ -264,7 +271,7 @@ class KeySpec:
         return self.fix(value) if callable(self.fix) else self.fix
 
 
-TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
+TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", bool | str: "bool|str"}
 
 
 def _specs() -> dict[str, KeySpec]:
@@ -349,6 +356,15 @@ def coerce_value(key: str, value: object) -> object:
             except yaml.YAMLError:
                 pass
     try:
+        if kind == bool | str:  # activation_checkpointing: false / true, or a mode's name
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str):
+                mode = checkpoint_mode(value)  # ConfigError naming the key and the allowed values
+                return {"none": False}.get(
+                    mode, True if value.strip().lower() in ("true", "on", "yes") else mode
+                )
+            raise TypeError
         if kind is bool:
             if isinstance(value, bool):
                 return value
@@ -387,9 +403,13 @@ def coerce_value(key: str, value: object) -> object:
             return list(value)
     except (TypeError, ValueError):
         pass
-    type_name = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
-        kind, "a list of strings"
-    )
+    type_name = {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool | str: "false, selective or full",
+    }.get(kind, "a list of strings")
     raise ConfigError(f"{key}={raw!r} is not {type_name}; set {key} to {type_name}")
 
 
@@ -412,7 +432,7 @@ def parse_overrides(argv: list[str]) -> dict[str, object]:
         if eq:
             out[key] = inline
             i += 1
-        elif SPECS[key].kind is bool and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+        elif SPECS[key].kind in (bool, bool | str) and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
             out[key] = True  # a bare flag: --fsdp
             i += 1
         elif i + 1 < len(argv):

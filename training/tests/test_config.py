@@ -76,7 +76,7 @@ def test_dump_round_trips(tmp_path):
 def test_every_key_is_declared_with_help_and_a_type():
     for spec in config.SPECS.values():
         assert spec.help and "\n" not in spec.help, spec.name
-        assert spec.type_name in ("int", "float", "bool", "str", "list"), spec.name
+        assert spec.type_name in ("int", "float", "bool", "str", "bool|str", "list"), spec.name
         assert not (spec.choices and spec.bound), f"{spec.name}: choices or a bound, not both"
     assert set(config.SPECS) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert config.CHOICES["device"] == ("auto", "cpu", "cuda")
@@ -87,9 +87,15 @@ def test_every_key_is_declared_with_help_and_a_type():
 )
 def test_each_bound_is_enforced_with_the_key_the_value_and_the_bound(tmp_path, name):
     spec = config.SPECS[name]
-    bad = {">= 1": 0, ">= 0": -1, "> 0": 0, "(0, 1]": 1.5, "[0, 1)": 1.0, "multiple of 128": 100}[
-        spec.bound.label
-    ]
+    bad = {
+        ">= 1": 0,
+        ">= 0": -1,
+        "> 0": 0,
+        "(0, 1]": 1.5,
+        "[0, 1)": 1.0,
+        "multiple of 128": 100,
+        config.CHECKPOINT_MODE.label: "sometimes",
+    }[spec.bound.label]
     with pytest.raises(ConfigError) as e:
         load_config(str(_file(tmp_path)), [spec.flag, str(bad)])
     message = str(e.value)
@@ -100,6 +106,30 @@ def test_each_bound_is_enforced_with_the_key_the_value_and_the_bound(tmp_path, n
 def test_each_choice_list_is_enforced(tmp_path, name):
     with pytest.raises(ConfigError, match=f"{name}='nope' is not one of {', '.join(config.CHOICES[name])}"):
         load_config(str(_file(tmp_path)), [f"--{name}", "nope"])
+
+
+@pytest.mark.parametrize(
+    ("written", "argv", "expected"),
+    [
+        (False, [], False),
+        (True, [], True),
+        ("selective", [], "selective"),
+        ("full", [], "full"),
+        ("off", [], False),
+        (False, ["--activation-checkpointing", "selective"], "selective"),
+        ("selective", ["--activation-checkpointing"], True),  # a bare flag means true (full)
+        ("selective", ["--activation-checkpointing=false"], False),
+    ],
+)
+def test_activation_checkpointing_takes_a_boolean_or_a_mode(tmp_path, written, argv, expected):
+    cfg = load_config(str(_file(tmp_path, activation_checkpointing=written)), argv)
+    assert cfg.activation_checkpointing == expected and type(cfg.activation_checkpointing) is type(expected)
+
+
+@pytest.mark.parametrize("value", ["sometimes", 3, [True]])
+def test_activation_checkpointing_refuses_anything_else_naming_the_modes(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"activation_checkpointing=.* is not (one of )?false, selective"):
+        load_config(str(_file(tmp_path, activation_checkpointing=value)), [])
 
 
 def test_unknown_key_lists_the_known_ones(tmp_path):

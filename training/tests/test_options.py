@@ -97,6 +97,7 @@ CONFIGS = [
     ({"dtype": "fp32", "attention": "exact", "activation_checkpointing": True, "loss_chunk_size": 512}, 1),
     ({"device": "cpu", "attention": "auto", "ttt_steps": 3, "ttt_gamma": 0.8}, 1),
     ({"fsdp": True, "dtype": "bf16"}, 2),
+    ({"activation_checkpointing": "selective", "loss_chunk_size": 256}, 1),
 ]
 
 

@@ -119,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Options shared with the trainer: their meaning and choices come from the config declaration.
     shared = "(default: the config's, else the trainer default)"
-    for key in ("activation_checkpointing", "fsdp"):
-        p.add_argument("--" + key.replace("_", "-"), action="store_true", default=None,
-                       help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
+    p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, metavar="MODE",
+                   type=lambda v: config.coerce_value("activation_checkpointing", v),
+                   help=f"{config.SPECS['activation_checkpointing'].help}; alone: true {shared}")  # fmt: skip
+    p.add_argument("--fsdp", action="store_true", default=None, help=f"{config.SPECS['fsdp'].help} {shared}")
     p.add_argument(
         "--device", choices=[c for c in config.choices("device") if c != "auto"], default=None,
         help="where the trainer runs (default: the config's, resolved on this machine; else cuda)",
