@@ -31,16 +31,6 @@ sys.path.insert(0, str(ROOT / "training"))
 
 import torch  # noqa: E402
 
-# The drafter shape's keys that the planner's Shape shares with DrafterConfig (num_kv_heads apart: 0 means heads).
-SHAPE_KEYS = (
-    "hidden_size",
-    "num_heads",
-    "head_dim",
-    "intermediate_size",
-    "draft_vocab_size",
-    "target_vocab_size",
-)
-
 
 def packed_rows(data_dir: str, seq_len: int, count: int) -> list[dict]:
     from eagle3.data import DatasetReader
@@ -106,6 +96,8 @@ def worker_throughput(args) -> dict:
     step = statistics.median(times)
     doc = rows[1 % len(rows)]["document_ids"]
     doc_lengths = torch.unique_consecutive(doc[doc >= 0], return_counts=True)[1].tolist()
+    from eagle3.options import SHAPE_KEYS
+
     return {
         "shape": {k: getattr(model.cfg, k) for k in (*SHAPE_KEYS, "num_kv_heads")},
         "loss_chunk_size": forward["loss_chunk_size"],
@@ -123,6 +115,7 @@ def planned_memory_options(cfg, seq_len: int, ttt_steps: int, budget_mib: float)
     """(activation_checkpointing, loss_chunk_size) the planner picks for a CPU fp32 run of this drafter at
     `seq_len` within `budget_mib` of predicted peak (no reserve: the interpreter and torch are not counted)."""
     from eagle3 import plan
+    from eagle3.options import SHAPE_KEYS
 
     shape = plan.Shape(**{k: getattr(cfg, k) for k in SHAPE_KEYS}, num_kv_heads=cfg.num_kv_heads)
     opts = plan.Options(autocast=False, frozen_bf16=False, attention="exact", device="cpu", reserve_gib=0)

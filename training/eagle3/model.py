@@ -43,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from eagle3.attention import TTTAttention, validate_document_ids
 from eagle3.errors import ConfigError, DataError
 from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
-from eagle3.options import checkpoint_mode
+from eagle3.options import SHAPE_KEYS, checkpoint_mode
 
 STAT_KEYS = (
     "loss_sum",
@@ -156,15 +156,7 @@ class DrafterConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the key, the value and what is expected."""
-        for key in (
-            "hidden_size",
-            "num_heads",
-            "head_dim",
-            "intermediate_size",
-            "draft_vocab_size",
-            "target_vocab_size",
-            "num_kv_heads",
-        ):
+        for key in (*SHAPE_KEYS, "num_kv_heads"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key}={value!r} must be a positive integer")

@@ -66,6 +66,16 @@ def check_attention(attention: str, device: str) -> None:
         )
 
 
+# The dimensions of a drafter (num_kv_heads apart, 0 meaning num_heads): DrafterConfig's and the planner's Shape's.
+SHAPE_KEYS = (
+    "hidden_size",
+    "num_heads",
+    "head_dim",
+    "intermediate_size",
+    "draft_vocab_size",
+    "target_vocab_size",
+)
+
 CHECKPOINT_MODES = ("none", "selective", "full")
 
 

@@ -188,15 +188,8 @@ def resolve_ranks(world_size: int | None, nnodes: int, nproc_per_node: int | Non
 def _resolve(args) -> tuple[Shape, Options, int, float]:
     """Shape, options, ttt_steps and memory from the command line and, when given, the trainer config."""
     from eagle3.config import TrainConfig
+    from eagle3.options import SHAPE_KEYS as dims
 
-    dims = (
-        "hidden_size",
-        "num_heads",
-        "head_dim",
-        "intermediate_size",
-        "draft_vocab_size",
-        "target_vocab_size",
-    )
     device = args.device or "cuda"
     if args.config:
         cfg = load_trainer_config(args.config)
