@@ -26,18 +26,26 @@ stage() {  # stage NAME CMD...: a stage that counts as one test
         timing "$name" "$t0" FAILED
     fi
 }
-pytest_stage() {  # pytest_stage NAME PYTHON DIR ARGS...: adds pytest's own counts
+pytest_run() {  # pytest_run NAME PYTHON DIR ARGS...: runs one tier into $REPORTS/NAME.{log,xml,rc,secs}
     local name=$1 py=$2 dir=$3; shift 3
-    local xml="$REPORTS/$name.xml" t0=$SECONDS rc p=0 f=0 s=0
-    printf '\n=== %s: pytest %s\n' "$name" "$dir"
+    local t0=$SECONDS
     # --durations: the slowest tests are named at the end of every run, so a slow test is seen before it is costly.
-    (cd "$dir" && "$py" -m pytest -q -p no:cacheprovider --durations=10 --junitxml="$xml" "$@")
-    rc=$?
-    if [ $rc -eq 5 ]; then
+    (cd "$dir" && "$py" -m pytest -q -p no:cacheprovider --durations=10 --junitxml="$REPORTS/$name.xml" "$@") \
+        > "$REPORTS/$name.log" 2>&1
+    echo $? > "$REPORTS/$name.rc"
+    echo $((SECONDS - t0)) > "$REPORTS/$name.secs"
+}
+pytest_account() {  # pytest_account NAME DIR: prints the tier's output and adds pytest's own counts
+    local name=$1 dir=$2
+    local xml="$REPORTS/$name.xml" rc secs p=0 f=0 s=0
+    rc=$(cat "$REPORTS/$name.rc") secs=$(cat "$REPORTS/$name.secs")
+    printf '\n=== %s: pytest %s\n' "$name" "$dir"
+    cat "$REPORTS/$name.log"
+    if [ "$rc" -eq 5 ]; then
         # No test collected: a broken collection must never pass silently.
         failed=$((failed + 1)); failures+=("$name (no tests collected)")
         printf '=== %s: FAILED: pytest collected no tests in %s\n' "$name" "$dir"
-        timing "$name" "$t0" "FAILED (no tests collected)"
+        timings+=("$(printf '%-22s %6ss  %s' "$name" "$secs" "FAILED (no tests collected)")")
         return
     fi
     if [ -f "$xml" ]; then
@@ -53,12 +61,12 @@ PY
         )
         passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
     fi
-    if [ $rc -ne 0 ]; then
+    if [ "$rc" -ne 0 ]; then
         failures+=("$name (rc=$rc)")
         [ -f "$xml" ] && [ "${f:-0}" -gt 0 ] || failed=$((failed + 1))
     fi
-    printf '=== %s: rc=%s (%ss)\n' "$name" "$rc" $((SECONDS - t0))
-    timing "$name" "$t0" "$([ $rc -eq 0 ] && echo ok || echo "FAILED (rc=$rc)"): $p passed, $f failed, $s skipped"
+    printf '=== %s: rc=%s (%ss)\n' "$name" "$rc" "$secs"
+    timings+=("$(printf '%-22s %6ss  %s' "$name" "$secs" "$([ "$rc" -eq 0 ] && echo ok || echo "FAILED (rc=$rc)"): $p passed, $f failed, $s skipped")")
 }
 
 want=("$@"); [ ${#want[@]} -gt 0 ] || want=(lint pytest molecule)
@@ -70,8 +78,19 @@ for w in "${want[@]}"; do
         stage ansible-lint ansible-lint --profile production -q
         ;;
     pytest)
-        pytest_stage pytest-controller "$ROOT/.venv/bin/python" "$ROOT" tests
-        pytest_stage pytest-trainer "$ROOT/.venv-train/bin/python" "$ROOT/training" tests
+        # The two tiers run side by side: the controller tier mostly waits on single-threaded ansible-playbook
+        # runs and the trainer tier on torch processes, so together they fill the 2 cores better than in turn.
+        # Their output is printed one tier after the other; their wall times overlap (and add up to more than
+        # the "pytest, both tiers" line).
+        t0=$SECONDS
+        printf '\n=== pytest: the controller and trainer tiers side by side\n'
+        pytest_run pytest-controller "$ROOT/.venv/bin/python" "$ROOT" tests &
+        controller=$!
+        pytest_run pytest-trainer "$ROOT/.venv-train/bin/python" "$ROOT/training" tests
+        wait "$controller"
+        pytest_account pytest-controller "$ROOT"
+        pytest_account pytest-trainer "$ROOT/training"
+        timing "pytest, both tiers" "$t0" "side by side"
         ;;
     molecule)
         for s in default pve lxc multinode; do
