@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +21,27 @@ import yaml
 
 TRAINING_ROOT = Path(__file__).resolve().parents[1]
 WAIT_FLOOR_S = 240.0
+
+
+def rendezvous_port() -> int:
+    """A free 127.0.0.1 port for a torchrun c10d store, below the kernel's ephemeral range.
+
+    The port is closed again before torchrun binds it. Inside the ephemeral range any outgoing connection on the
+    machine (the controller tier runs alongside) may be given it in between; below it only an explicit bind can
+    take it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = random.sample(range(10000, low), min(200, max(0, low - 10000)))
+    for port in [*candidates, 0]:  # 0: the kernel's choice, if nothing below the range is free
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 def synth_dataset(base: Path, name: str = "synth_small", **options) -> Path:

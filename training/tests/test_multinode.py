@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -32,6 +31,7 @@ from pipeline_support import (
     read_metrics,
     read_status,
     reap,
+    rendezvous_port,
     synth_dataset,
     trainer_env,
     write_config,
@@ -43,12 +43,6 @@ pytestmark = pytest.mark.timeout(1200)
 
 
 # ----------------------------------------------------------------------------------------------- no processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_hsdp_needs_fsdp_and_equal_nodes():
     assert (
         options.resolve_options(TrainConfig(fsdp=True, shard_layout="hsdp"), "cpu", 8, nodes=2).shard_ranks
@@ -121,7 +115,7 @@ def start_run(
     )  # fmt: skip
     cfg = write_config(where / f"train-{uuid.uuid4().hex[:6]}.yaml", **{**base, **values})
     run.mkdir(parents=True, exist_ok=True)
-    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
+    port, rdzv_id = rendezvous_port(), uuid.uuid4().hex[:8]
     procs = []
     try:
         for node in range(nodes):

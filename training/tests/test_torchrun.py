@@ -12,7 +12,6 @@ from __future__ import annotations
 import doctest
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from pipeline_support import (
     read_samples,
     read_status,
     reap,
+    rendezvous_port,
     synth_dataset,
     trainer_env,
     wait_for,
@@ -38,12 +38,6 @@ STOP_TIMEOUT = 300
 # Over pyproject's 300 s per test: a test here may start two torchrun runs on a loaded machine.
 pytestmark = pytest.mark.timeout(1200)
 STEPS = 12  # the DDP reference run and the FSDP run it is compared with
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_torchrun(
@@ -58,7 +52,7 @@ def start_torchrun(
     cfg = write_config(tmp_path / "train.yaml", **{**base, **values})
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--local-addr=127.0.0.1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous_port()}", "--local-addr=127.0.0.1",
         "--max-restarts=0", "-m", "eagle3", "train", "--config", str(cfg),
     ]  # fmt: skip
     if via_launch:
