@@ -10,10 +10,13 @@ one node first checks that run_dir is the same directory on every node (`check_s
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import logging
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,15 +110,46 @@ def describe(requested_device: str) -> DistInfo:
     )  # fmt: skip
 
 
+_joined = False  # whether this process joined a process group (init); see exit_process
+
+
 def init(info: DistInfo, timeout_s: float = 600.0) -> DistInfo:
     """Bind this rank to its GPU (before anything creates a CUDA context) and join the process group."""
+    global _joined
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.enabled and not dist.is_initialized():
         backend = "nccl" if info.device.type == "cuda" else "gloo"
         kwargs = {"device_id": info.device} if info.device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        _joined = True
     return info
+
+
+def joined_process_group() -> bool:
+    return _joined
+
+
+def exit_process(code: int) -> None:
+    """End a rank that joined a process group with `code`: atexit handlers, flushed streams, then os._exit.
+
+    The interpreter's own finalization is skipped on purpose. destroy_process_group drops the process group from
+    torch's registry, but FSDP2's parameter groups still hold it (mesh_info.shard_process_group), so its C++
+    worker threads (gloo's; NCCL's watchdog) live until the interpreter tears the last objects down. A worker thread that then frees a tensor Python
+    created must take the GIL, and on Python 3.11-3.13 a thread that takes the GIL during finalization is ended
+    by pthread_exit, whose unwinding through a C++ destructor calls std::terminate: "terminate called without
+    an active exception", SIGABRT. Rarely, and more often on a loaded machine, a finished run then exits -6,
+    torchrun reports it failed, and on several nodes the node whose agent hosts the rendezvous leaves it, so the
+    others fail too. Everything the trainer writes is closed (and fsynced) before main returns; the atexit
+    handlers (torch's included) still run here, while the interpreter is whole."""
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def all_reduce(tensor: torch.Tensor, info: DistInfo, op: str = "sum") -> torch.Tensor:

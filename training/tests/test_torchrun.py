@@ -109,6 +109,32 @@ def test_launch_doctests():
     assert doctest.testmod(launch).failed == 0
 
 
+def test_a_rank_ends_through_exit_process_with_its_code_its_atexit_handlers_and_its_output():
+    """A rank that joined a process group ends with os._exit (the interpreter's finalization can abort it, see
+    eagle3.distributed.exit_process): the exit code, the atexit handlers and buffered output must survive that."""
+    script = (
+        "import atexit, sys\n"
+        "from eagle3 import distributed\n"
+        "atexit.register(lambda: print('atexit handler ran'))\n"
+        "print('buffered line', end='')\n"
+        "sys.stderr.write('buffered error')\n"
+        "distributed.exit_process(7)\n"
+        "print('not reached')\n"
+    )
+    env = trainer_env()
+    env.pop("PYTHONUNBUFFERED", None)  # a pipe: stdout is block-buffered, as under torchrun's redirection
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=TRAINING_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 7, done.stderr
+    assert done.stdout == "buffered lineatexit handler ran\n" and done.stderr.endswith("buffered error")
+
+
 @pytest.mark.slow
 def test_two_ranks_stay_in_sync_and_reduce_metrics(ddp_run, data):
     rc, log, run = ddp_run
