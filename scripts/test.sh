@@ -45,7 +45,7 @@ pytest_account() {  # pytest_account NAME DIR: prints the tier's output and adds
         # No test collected: a broken collection must never pass silently.
         failed=$((failed + 1)); failures+=("$name (no tests collected)")
         printf '=== %s: FAILED: pytest collected no tests in %s\n' "$name" "$dir"
-        timings+=("$(printf '%-22s %6ss  %s' "$name" "$secs" "FAILED (no tests collected)")")
+        timing "$name" $((SECONDS - secs)) "FAILED (no tests collected)"
         return
     fi
     if [ -f "$xml" ]; then
@@ -66,7 +66,9 @@ PY
         [ -f "$xml" ] && [ "${f:-0}" -gt 0 ] || failed=$((failed + 1))
     fi
     printf '=== %s: rc=%s (%ss)\n' "$name" "$rc" "$secs"
-    timings+=("$(printf '%-22s %6ss  %s' "$name" "$secs" "$([ "$rc" -eq 0 ] && echo ok || echo "FAILED (rc=$rc)"): $p passed, $f failed, $s skipped")")
+    # timing takes a start time: the tier's own wall time, measured in pytest_run, gives it.
+    timing "$name" $((SECONDS - secs)) \
+        "$([ "$rc" -eq 0 ] && echo ok || echo "FAILED (rc=$rc)"): $p passed, $f failed, $s skipped"
 }
 
 want=("$@"); [ ${#want[@]} -gt 0 ] || want=(lint pytest molecule)

@@ -135,9 +135,9 @@ def exit_process(code: int) -> None:
 
     The interpreter's own finalization is skipped on purpose. destroy_process_group drops the process group from
     torch's registry, but FSDP2's parameter groups still hold it (mesh_info.shard_process_group), so its C++
-    worker threads (gloo's; NCCL's watchdog) live until the interpreter tears the last objects down. A worker thread that then frees a tensor Python
-    created must take the GIL, and on Python 3.11-3.13 a thread that takes the GIL during finalization is ended
-    by pthread_exit, whose unwinding through a C++ destructor calls std::terminate: "terminate called without
+    worker threads (gloo's; NCCL's watchdog) live until the interpreter tears the last objects down. A worker
+    thread that then frees a tensor Python created must take the GIL, and on Python 3.11-3.13 a thread that takes
+    the GIL during finalization is ended by pthread_exit, whose unwinding through a C++ destructor calls std::terminate: "terminate called without
     an active exception", SIGABRT. Rarely, and more often on a loaded machine, a finished run then exits -6,
     torchrun reports it failed, and on several nodes the node whose agent hosts the rendezvous leaves it, so the
     others fail too. Everything the trainer writes is closed (and fsynced) before main returns; the atexit
