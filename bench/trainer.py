@@ -1,15 +1,20 @@
-"""Trainer benchmark on CPU: tokens/s and peak memory per max_seq_len, and bytes saved for backward.
+"""Trainer benchmark on CPU: the step speed table, tokens/s per max_seq_len, and bytes held for backward.
 
-    .venv-train/bin/python bench/trainer.py            # S = 2048, 8192, 16384 (tiny shape) + 1/8-Kimi saved bytes
-    .venv-train/bin/python bench/trainer.py --quick    # S = 2048 only, fewer steps
+    .venv-train/bin/python bench/trainer.py                  # every table (docs/speed.md)
+    .venv-train/bin/python bench/trainer.py --only lengths   # tokens/s at S = 1024 .. 16384 (tiny shape)
+    .venv-train/bin/python bench/trainer.py --quick          # S = 2048 only, one round
 
-Prints figures; never asserts on time. Each max_seq_len runs in its own process, so the peak RSS it reports
-(ru_maxrss) belongs to that length alone. Step times are medians over the timed steps (this machine is shared
-and noisy). Rows are real packed rows from a synthetic dataset (documents of 48-512 tokens).
+Prints figures; never asserts on time. Each run is its own process, so the peak RSS it reports (ru_maxrss) belongs
+to it alone; runs are interleaved over rounds (min and median: this machine is shared and noisy).
 
-Saved bytes: autograd's saved-tensor hooks count the distinct storages kept for backward during one TTT
-forward at the 1/8-scaled Kimi-K2.5 drafter shape (hidden 896, 8 heads x 64, MLP 2304, draft vocab 4000,
-target vocab 20480, ttt_steps 5), divided by tokens and TTT steps.
+Tokens/s per max_seq_len: every length trains on the same documents (the first --timed-tokens tokens of one
+shuffled epoch of a synthetic dataset, documents of 48-512 tokens, packed into rows of that length; never the
+epoch's partial last row), so a length's figure does not depend on which documents it drew. Tokens are real
+tokens, not padding ('fill' is their share of the slots); 'kernel' is the share of the step spent in the kernel
+(page faults, mostly).
+
+Saved bytes: the resident set a forward adds and keeps for backward at the 1/8-scaled Kimi-K2.5 drafter shape
+(hidden 896, 8 heads x 64, MLP 2304, draft vocab 4000, target vocab 20480, ttt_steps 5), per token and TTT step.
 """
 
 from __future__ import annotations
@@ -32,19 +37,32 @@ sys.path.insert(0, str(ROOT / "training"))
 import torch  # noqa: E402
 
 
-def packed_rows(data_dir: str, seq_len: int, count: int) -> list[dict]:
+def packed_rows(data_dir: str, seq_len: int, tokens: int, epoch: int = 0) -> list[dict]:
+    """The first rows of the packer's epoch `epoch` (one rank) that hold `tokens` real tokens between them.
+
+    Every length reads the same documents this way (the shuffled order of the epoch, cut into rows of its own
+    length), so the rows' cost per token does not depend on which documents a length happened to get: the exact
+    attention's cost grows with document length. The epoch's last row, the partial leftover, is never used."""
     from eagle3.data import DatasetReader
     from eagle3.packing import build_row, plan_epoch
 
     reader = DatasetReader(data_dir)
     ids = list(range(reader.index.num_samples))
-    plan = plan_epoch(ids, reader.index.lengths, max_seq_len=seq_len, world_size=1, seed=0, epoch=0)
-    rows = []
-    for step in plan.steps[:count]:
+    plan = plan_epoch(ids, reader.index.lengths, max_seq_len=seq_len, world_size=1, seed=0, epoch=epoch)
+    rows, total = [], 0
+    for step in plan.steps[:-1]:
+        if total >= tokens:
+            return rows
         rows.append(
             build_row([reader.sample(i, seq_len) for i in step[0]], seq_len, reader.index.hidden_size)
         )
-    return rows
+        total += int((rows[-1]["document_ids"] >= 0).sum())
+    if total >= tokens:
+        return rows
+    raise SystemExit(
+        f"bench dataset too small: {plan.tokens} tokens pack into {len(plan.steps)} row(s) of {seq_len}; "
+        f"{tokens} tokens are needed before the epoch's partial last row"
+    )
 
 
 def tiny_model(data_dir: str):
@@ -70,21 +88,24 @@ def run_options(**keys):
 
 
 def worker_throughput(args) -> dict:
-    """One max_seq_len: warm-up step, then timed forward+backward+AdamW steps."""
+    """One max_seq_len: a warm-up step (a row of another epoch), then timed forward+backward+AdamW steps over the
+    rows that hold the first --timed-tokens tokens of epoch 0; FLOPs counted per row (eagle3.flops)."""
     from eagle3.model import ttt_forward
 
     torch.set_num_threads(args.threads)
     model = tiny_model(args.data)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    rows = packed_rows(args.data, args.seq_len, args.steps + 1)
+    warm = packed_rows(args.data, args.seq_len, 1, epoch=1)[0]
+    rows = packed_rows(args.data, args.seq_len, args.timed_tokens)
     chunk = {} if args.loss_chunk_size is None else {"loss_chunk_size": args.loss_chunk_size}
     if args.budget_mib:  # the planner's choice for this length and budget (eagle3.plan.memory_options_choice)
         mode, size = planned_memory_options(model.cfg, args.seq_len, args.ttt_steps, args.budget_mib)
         chunk = {"activation_checkpointing": mode, "loss_chunk_size": size}
     forward = run_options(ttt_steps=args.ttt_steps, **chunk).ttt_kwargs()
     times, tokens = [], []
-    for i in range(args.steps + 1):
-        row = rows[i % len(rows)]
+    for i, row in enumerate([warm, *rows]):
+        if i == 1:
+            sys0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
         t0 = time.perf_counter()
         loss, _ = ttt_forward(model, row, **forward)
         loss.backward()
@@ -93,20 +114,30 @@ def worker_throughput(args) -> dict:
         if i:  # the first step allocates optimizer state and warms caches
             times.append(time.perf_counter() - t0)
             tokens.append(int((row["document_ids"] >= 0).sum()))
-    step = statistics.median(times)
-    doc = rows[1 % len(rows)]["document_ids"]
-    doc_lengths = torch.unique_consecutive(doc[doc >= 0], return_counts=True)[1].tolist()
+    sys_s = resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0  # page faults, mostly
+    from eagle3.flops import step_flops
     from eagle3.options import SHAPE_KEYS
+    from eagle3.plan import Shape
 
+    shape = {k: getattr(model.cfg, k) for k in (*SHAPE_KEYS, "num_kv_heads")}
+    flop = 0
+    for row in rows:
+        doc = row["document_ids"]
+        docs = torch.unique_consecutive(doc[doc >= 0], return_counts=True)[1].tolist()
+        flop += step_flops(Shape(**shape), args.seq_len, args.ttt_steps, doc_len=docs,
+                           activation_checkpointing=forward["activation_checkpointing"])["total"]  # fmt: skip
     return {
-        "shape": {k: getattr(model.cfg, k) for k in (*SHAPE_KEYS, "num_kv_heads")},
+        "shape": shape,
         "loss_chunk_size": forward["loss_chunk_size"],
         "activation_checkpointing": forward["activation_checkpointing"],
-        "doc_lengths": doc_lengths,
         "seq_len": args.seq_len,
         "ttt_steps": args.ttt_steps,
-        "step_s": step,
-        "tokens_per_s": statistics.median(tokens) / step,
+        "steps": len(times),
+        "step_s": statistics.median(times),
+        "tokens_per_s": sum(tokens) / sum(times),
+        "flop_per_s": flop / sum(times),
+        "kernel_share": sys_s / sum(times),
+        "fill": sum(tokens) / (len(tokens) * args.seq_len),  # tokens per slot of the timed rows
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
 
@@ -340,7 +371,8 @@ def main() -> int:
     p.add_argument("--worker", choices=("throughput", "saved", "speed"))
     p.add_argument("--data")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--timed-tokens", type=int, default=0,
+                   help="lengths table: tokens every length trains on, timed (0: twice the longest length)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
@@ -389,49 +421,45 @@ def main() -> int:
 
 def lengths_table(args) -> None:
     """Tokens/s and FLOP/s per max_seq_len at the tiny shape (AdamW included), each length with the memory options
-    the planner picks for --budget-mib (0: the config's defaults, or --loss-chunk-size). The lengths run
-    interleaved, --runs rounds of one process per length; each round's figure is the median of --steps steps."""
-    from eagle3 import plan
-    from eagle3.flops import step_flops
+    the planner picks for --budget-mib (0: the config's defaults, or --loss-chunk-size). Every length trains on the
+    same documents (the first --timed-tokens tokens of one shuffled epoch, in rows of its own length, after a
+    warm-up row); the lengths run interleaved, --runs rounds of one process per length."""
     from eagle3.synth import SynthConfig, synthesize
 
     lengths = [2048] if args.quick else [int(v) for v in args.lengths.split(",")]
-    steps = 1 if args.quick else args.steps
+    timed = max(lengths) if args.quick else (args.timed_tokens or 2 * max(lengths))
     runs = 1 if args.quick else args.runs
     with tempfile.TemporaryDirectory(prefix="eagle3_bench_") as tmp:
-        # Enough documents for the longest row plus the timed steps.
-        need = max(lengths) * (steps + 1)
-        synthesize(
-            tmp, SynthConfig(num_samples=max(64, need // 240 + 16), max_len=512), log=lambda *a, **k: None
-        )
+        # Enough documents for the timed tokens and a warm-up row, none from an epoch's partial last row:
+        # synthetic documents average about 205 tokens, sized here at 150 (packed_rows refuses too small a set).
+        need = timed + 2 * max(lengths)
+        synthesize(tmp, SynthConfig(num_samples=need // 150 + 16, max_len=512), log=lambda *a, **k: None)
         chosen = (
             f"the planner's choice for a {args.budget_mib:g} MiB budget (predicted peak, CPU fp32, no reserve)"
             if args.budget_mib
             else f"loss_chunk_size {'default (4096)' if args.loss_chunk_size is None else args.loss_chunk_size}"
         )
         print(f"\ntiny shape (hidden 64, 4x16 heads, MLP 192, V 512/1024), ttt_steps {args.ttt_steps}, exact attention, "
-              f"{chosen}, forward+backward+AdamW; {runs} interleaved rounds, each the median of {steps} step(s)")  # fmt: skip
+              f"{chosen}, forward+backward+AdamW; every length trains on the same {timed} tokens (one epoch's first "
+              f"documents, in rows of its length) after a warm-up row; {runs} interleaved rounds")  # fmt: skip
         results: dict[int, list[dict]] = {s: [] for s in lengths}
         for _ in range(runs):
             for s in lengths:
-                extra = ["--budget-mib", str(args.budget_mib)] if args.budget_mib else []
+                extra = ["--budget-mib", str(args.budget_mib)]  # 0 too: the worker's own default is 600
                 if args.loss_chunk_size is not None and not args.budget_mib:
-                    extra = ["--loss-chunk-size", str(args.loss_chunk_size)]
-                results[s].append(run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--steps", str(steps),
-                                              "--ttt-steps", str(args.ttt_steps), *extra], args.threads))  # fmt: skip
-        print(f"{'max_seq_len':>11} {'ckpt':>9} {'chunk':>5} {'min s':>7} {'median s':>8} {'tokens/s max':>12} "
-              f"{'tokens/s med':>12} {'GFLOP/s':>8} {'peak RSS GiB':>13}")  # fmt: skip
+                    extra += ["--loss-chunk-size", str(args.loss_chunk_size)]
+                results[s].append(run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--timed-tokens",
+                                              str(timed), "--ttt-steps", str(args.ttt_steps), *extra], args.threads))  # fmt: skip
+        print(f"{'max_seq_len':>11} {'ckpt':>9} {'chunk':>5} {'steps':>5} {'fill':>6} {'step s':>7} "
+              f"{'tokens/s max':>12} {'tokens/s med':>12} {'GFLOP/s max':>11} {'kernel':>6} {'peak RSS GiB':>13}")  # fmt: skip
         for s in lengths:
             rs = results[s]
             r = rs[0]
-            shape = plan.Shape(**r["shape"])
-            f = step_flops(shape, s, args.ttt_steps, loss_chunk_size=r["loss_chunk_size"],
-                           activation_checkpointing=r["activation_checkpointing"], doc_len=r["doc_lengths"])  # fmt: skip
-            times = [x["step_s"] for x in rs]
             rates = [x["tokens_per_s"] for x in rs]
-            best, med = min(times), statistics.median(times)
-            print(f"{s:>11} {r['activation_checkpointing']!s:>9} {r['loss_chunk_size']:>5} {best:>7.3f} {med:>8.3f} "
-                  f"{max(rates):>12.0f} {statistics.median(rates):>12.0f} {f['total'] / best / 1e9:>8.2f} "
+            print(f"{s:>11} {r['activation_checkpointing']!s:>9} {r['loss_chunk_size']:>5} {r['steps']:>5} "
+                  f"{r['fill']:>6.1%} {statistics.median(x['step_s'] for x in rs):>7.3f} {max(rates):>12.0f} "
+                  f"{statistics.median(rates):>12.0f} {max(x['flop_per_s'] for x in rs) / 1e9:>11.2f} "
+                  f"{statistics.median(x['kernel_share'] for x in rs):>6.1%} "
                   f"{max(x['peak_rss_gb'] for x in rs):>13.2f}", flush=True)  # fmt: skip
 
 
