@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 
 import torch  # noqa: E402
+from eagle3.distributed import keep_freed_host_memory  # noqa: E402
 
 
 def packed_rows(data_dir: str, seq_len: int, tokens: int, epoch: int = 0) -> list[dict]:
@@ -93,6 +94,7 @@ def worker_throughput(args) -> dict:
     from eagle3.model import ttt_forward
 
     torch.set_num_threads(args.threads)
+    keep_freed_host_memory("cpu")  # as the trainer does on CPU
     model = tiny_model(args.data)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     warm = packed_rows(args.data, args.seq_len, 1, epoch=1)[0]
@@ -281,6 +283,7 @@ def worker_speed(args) -> dict:
     from eagle3.model import ttt_forward
 
     torch.set_num_threads(args.threads)
+    keep_freed_host_memory("cpu")  # as the trainer does on CPU
     s, t = args.seq_len, args.ttt_steps
     model, row = eighth_model(s)
     shape = plan.SHAPES["kimi-k2.5-eighth"]

@@ -1,4 +1,4 @@
-"""torchrun integration: process group setup, the few collectives the trainer uses, CUDA allocator setup.
+"""torchrun integration: process group setup, the few collectives the trainer uses, CUDA and host allocator setup.
 
 The trainer runs the same code with one process (no process group) and under torchrun (DDP): every
 collective here is a no-op when the world size is 1.
@@ -84,6 +84,50 @@ def set_cuda_alloc_conf() -> None:
         current = os.environ.get(var, "")
         if "expandable_segments" not in current:
             os.environ[var] = f"{current},{ALLOC_CONF}" if current else ALLOC_CONF
+
+
+# mallopt(3) parameters (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for its dynamic mmap threshold on 64-bit
+HOST_KEEP_BYTES = 1 << 30
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def keep_freed_host_memory(device: str, keep_bytes: int = HOST_KEEP_BYTES) -> str:
+    """On CPU, let glibc's malloc keep up to `keep_bytes` of freed heap for reuse; returns what was done, in words.
+
+    glibc gives the top of its heap back to the kernel once more than its trim threshold is free there (the threshold
+    follows the mmap threshold: twice it, dynamic), so a CPU step whose tensors come and go page-faults the same
+    memory in again every step: 3-7 % of a step in the kernel at max_seq_len 8192-16384 at the bench's tiny shape
+    (docs/speed.md). Here the mmap threshold is fixed at 32 MiB, the ceiling glibc's dynamic threshold reaches anyway,
+    so blocks are placed as before, and the trim threshold at `keep_bytes`, so the heap's top stays mapped and the next
+    step reuses it; the peak resident set does not grow. Tensors above 32 MiB are still mappings of their own
+    (loss_chunk_size keeps the loss's under it). Only on CPU: on CUDA the step's tensors live in torch's caching
+    allocator, and a GPU host should give back what a checkpoint save borrowed. Left alone where the user chose (the
+    MALLOC_*_ variables, a glibc.malloc tunable, another allocator in LD_PRELOAD) and on a libc other than glibc.
+    """
+    if device_type(device) != "cpu":
+        return ""
+    chosen = [k for k in _MALLOC_ENV if k in os.environ]
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        chosen.append("GLIBC_TUNABLES")
+    if "malloc" in os.environ.get("LD_PRELOAD", ""):
+        chosen.append("LD_PRELOAD")
+    if chosen:
+        return f"host malloc left as set ({', '.join(chosen)})"
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return ""
+    mallopt = ctypes.CDLL(None).mallopt
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, keep_bytes)):
+        return "host malloc: glibc refused mallopt; its default thresholds stay"
+    return (
+        f"host malloc: up to {keep_bytes / 2**30:g} GiB of freed heap kept for the next step "
+        f"(glibc M_TRIM_THRESHOLD; M_MMAP_THRESHOLD {MMAP_THRESHOLD_MAX >> 20} MiB)"
+    )
 
 
 def expandable_segments_active() -> bool | None:

@@ -816,12 +816,15 @@ def main(argv: list[str]) -> int:
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but torch sees no CUDA device; use device: auto or cpu")
         describe = dist_utils.describe(cfg.device)
+        host_malloc = dist_utils.keep_freed_host_memory(describe.device.type)
         hold_standin_device(cfg.standin_gpu_devices, rank)
         if rank == 0:
             ckpt.remove_stale(cfg.run_dir)
             dump_config(cfg, cfg.run_dir)
             files.update_status(phase="starting")
         trainer = Trainer(cfg, describe, files, stop)
+        if host_malloc:
+            trainer.log(host_malloc)
         if rank == 0:  # GPU telemetry, the Prometheus textfile, TensorBoard (eagle3.observe)
             observer = Observer(cfg, describe.device.type, trainer.log)
             files.observer = observer.start(lambda: files.status.get("step", 0))
