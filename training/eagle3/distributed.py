@@ -102,7 +102,8 @@ def keep_freed_host_memory(device: str, keep_bytes: int = HOST_KEEP_BYTES) -> st
     memory in again every step: 3-7 % of a step in the kernel at max_seq_len 8192-16384 at the bench's tiny shape
     (docs/speed.md). Here the mmap threshold is fixed at 32 MiB, the ceiling glibc's dynamic threshold reaches anyway,
     so blocks are placed as before, and the trim threshold at `keep_bytes`, so the heap's top stays mapped and the next
-    step reuses it; the peak resident set does not grow. Tensors above 32 MiB are still mappings of their own
+    step reuses it; the trainer's address space did not grow (its peak resident set can: freed heap no later request
+    fits stays resident). Tensors above 32 MiB are still mappings of their own
     (loss_chunk_size keeps the loss's under it). Only on CPU: on CUDA the step's tensors live in torch's caching
     allocator, and a GPU host should give back what a checkpoint save borrowed. Left alone where the user chose (the
     MALLOC_*_ variables, a glibc.malloc tunable, another allocator in LD_PRELOAD) and on a libc other than glibc.
