@@ -719,6 +719,26 @@ def make_plan(
 
 
 LOSS_CHUNKS = (4096, 2048, 1024, 512, 256)
+# glibc's dynamic mmap threshold stops at 32 MiB on 64-bit: a larger allocation is a mapping of its own, unmapped when
+# freed, so a CPU step page-faults it in afresh every step (eagle3.distributed.keep_freed_host_memory).
+CPU_MMAP_CEILING = 32 << 20
+
+
+def cpu_heap_chunk(shape: Shape, seq_len: int) -> int | None:
+    """On CPU, the loss chunk that beats one pass: the largest of LOSS_CHUNKS whose fp32 [chunk, target vocab]
+    tensors stay in glibc's heap, when the one pass's would not (docs/speed.md: 4-6 % per token at 16384 at the
+    bench's shape); None when one pass is as fast (its tensors are in the heap too) or no chunk is.
+
+    >>> tiny = Shape(64, 4, 16, 192, 512, 1024)
+    >>> cpu_heap_chunk(tiny, 4096), cpu_heap_chunk(tiny, 8192), cpu_heap_chunk(tiny, 16384)
+    (None, 4096, 4096)
+    >>> cpu_heap_chunk(SHAPES["kimi-k2.5"], 16384) is None  # 256 rows of 163840 logits are 160 MiB already
+    True
+    """
+    row_bytes = shape.target_vocab_size * 4
+    if seq_len * row_bytes < CPU_MMAP_CEILING:
+        return None
+    return next((c for c in LOSS_CHUNKS if c < seq_len and c * row_bytes < CPU_MMAP_CEILING), None)
 
 
 def loss_chunk_choice(
@@ -726,15 +746,20 @@ def loss_chunk_choice(
 ):
     """The loss chunking memory needs at `seq_len`: 0 (one pass over the row, nothing recomputed, the target side
     made once; the fastest, docs/speed.md) when its peak fits `budget`, else the largest chunk of LOSS_CHUNKS
-    that fits, else None.
+    that fits, else None. On CPU, where one pass's tensors are page-faulted in every step, the chunk of
+    `cpu_heap_chunk` comes first.
 
     >>> kimi = SHAPES["kimi-k2.5"]
     >>> loss_chunk_choice(kimi, 8192, 5, Options(activation_checkpointing=True, fsdp=True), 8, budget_bytes(141, 0.1))
     0
     >>> loss_chunk_choice(kimi, 145280, 5, Options(activation_checkpointing=True, fsdp=True), 8, budget_bytes(141, 0.1))
     4096
+    >>> tiny, cpu = Shape(64, 4, 16, 192, 512, 1024), Options(device="cpu", autocast=False, attention="exact")
+    >>> [loss_chunk_choice(tiny, s, 5, cpu, 1, 2**31) for s in (4096, 16384)]
+    [0, 4096]
     """
-    for chunk in (0, *LOSS_CHUNKS):
+    heap = cpu_heap_chunk(shape, seq_len) if opts.device == "cpu" else None
+    for chunk in (0, *LOSS_CHUNKS) if heap is None else (heap, 0, *LOSS_CHUNKS):
         o = dataclasses.replace(opts, loss_chunk_size=chunk)
         if predict_peak_bytes(shape, seq_len, ttt_steps, o, world_size) <= budget:
             return chunk
