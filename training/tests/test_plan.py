@@ -359,3 +359,22 @@ def test_memory_options_choice_takes_the_fastest_that_fits():
     assert P.activation_bytes(kimi, 32768, 5, lean) > P.activation_bytes(
         kimi, 32768, 5, dataclasses.replace(opts, activation_checkpointing="full")
     )
+
+
+def test_the_plan_table_says_why_it_advises_a_loss_chunk():
+    """On CPU at a long row the chunk is advised for speed (cpu_heap_chunk), on CUDA only when memory needs it."""
+    from eagle3.plan.cli import format_table
+
+    tiny = P.Shape(64, 4, 16, 192, 512, 1024)
+    cpu = P.Options(device="cpu", autocast=False, frozen_bf16=False, attention="exact", allocator_factor=1.5)
+    plan = P.make_plan(tiny, cpu, ttt_steps=5, world_size=1, memory_gb=64, margin=0.1, lengths=(16384,))
+    assert plan.max_seq_len >= 16384 and plan.loss_chunk_size == 4096
+    assert "loss_chunk_size=4096 fits at that length (on CPU faster than one pass" in format_table(plan)
+    cuda = P.make_plan(
+        tiny, P.Options(), ttt_steps=5, world_size=1, memory_gb=64, margin=0.1, lengths=(16384,)
+    )
+    assert "loss_chunk_size=0 fits at that length (one pass, the fastest)" in format_table(cuda)
+    kimi = P.SHAPES["kimi-k2.5"]
+    tight = P.make_plan(kimi, P.Options(activation_checkpointing=True, fsdp=True), ttt_steps=5, world_size=8,
+                        memory_gb=141, margin=0.1, lengths=(145280,))  # fmt: skip
+    assert "loss_chunk_size=4096 fits at that length (memory needs the chunked loss)" in format_table(tight)

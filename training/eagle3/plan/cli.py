@@ -30,6 +30,7 @@ from eagle3.plan.model import (
     Plan,
     Shape,
     budget_bytes,
+    cpu_heap_chunk,
     make_plan,
     options_from_config,
 )
@@ -270,6 +271,9 @@ def format_table(plan: Plan) -> str:
             + (
                 " (one pass, the fastest)"
                 if plan.loss_chunk_size == 0
+                else " (on CPU faster than one pass: its tensors stay in malloc's heap)"
+                if plan.options.device == "cpu"
+                and plan.loss_chunk_size == cpu_heap_chunk(plan.shape, plan.max_seq_len)
                 else " (memory needs the chunked loss)"
             )
             + (
