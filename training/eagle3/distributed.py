@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3.errors import ConfigError
-from eagle3.options import device_type
+from eagle3.options import GLIBC_MMAP_CEILING, device_type
 
 ALLOC_CONF = "expandable_segments:True"
 
@@ -89,7 +89,6 @@ def set_cuda_alloc_conf() -> None:
 # mallopt(3) parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for its dynamic mmap threshold on 64-bit
 HOST_KEEP_BYTES = 1 << 30
 _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
@@ -97,16 +96,17 @@ _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_P
 def keep_freed_host_memory(device: str, keep_bytes: int = HOST_KEEP_BYTES) -> str:
     """On CPU, let glibc's malloc keep up to `keep_bytes` of freed heap for reuse; returns what was done, in words.
 
-    glibc gives the top of its heap back to the kernel once more than its trim threshold is free there (the threshold
-    follows the mmap threshold: twice it, dynamic), so a CPU step whose tensors come and go page-faults the same
-    memory in again every step: 3-7 % of a step in the kernel at max_seq_len 8192-16384 at the bench's tiny shape
-    (docs/speed.md). Here the mmap threshold is fixed at 32 MiB, the ceiling glibc's dynamic threshold reaches anyway,
-    so blocks are placed as before, and the trim threshold at `keep_bytes`, so the heap's top stays mapped and the next
-    step reuses it; the trainer's address space did not grow (its peak resident set can: freed heap no later request
-    fits stays resident). Tensors above 32 MiB are still mappings of their own
-    (loss_chunk_size keeps the loss's under it). Only on CPU: on CUDA the step's tensors live in torch's caching
-    allocator, and a GPU host should give back what a checkpoint save borrowed. Left alone where the user chose (the
-    MALLOC_*_ variables, a glibc.malloc tunable, another allocator in LD_PRELOAD) and on a libc other than glibc.
+    glibc gives the top of its heap back to the kernel once more than its trim threshold is free there (the
+    threshold follows the mmap threshold: twice it, dynamic), so a CPU step whose tensors come and go page-faults
+    the same memory in again every step: 3-7 % of a step in the kernel at max_seq_len 8192-16384 at the bench's tiny
+    shape (docs/speed.md). Here the mmap threshold is fixed at 32 MiB, the ceiling glibc's dynamic threshold reaches
+    anyway, so blocks are placed as before, and the trim threshold at `keep_bytes`, so the heap's top stays mapped
+    and the next step reuses it; the trainer's address space did not grow (its peak resident set can: freed heap no
+    later request fits stays resident). Tensors above 32 MiB are still mappings of their own (on CPU the planner
+    advises a loss_chunk_size that keeps the loss's under it, eagle3.plan.cpu_heap_chunk). Only on CPU: on CUDA the
+    step's tensors live in torch's caching allocator, and a GPU host should give back what a checkpoint save
+    borrowed. Left alone where the user chose (the MALLOC_*_ variables, a glibc.malloc tunable, another allocator in
+    LD_PRELOAD) and on a libc other than glibc.
     """
     if device_type(device) != "cpu":
         return ""
@@ -123,11 +123,11 @@ def keep_freed_host_memory(device: str, keep_bytes: int = HOST_KEEP_BYTES) -> st
     if platform.libc_ver()[0] != "glibc":
         return ""
     mallopt = ctypes.CDLL(None).mallopt
-    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, keep_bytes)):
+    if not (mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_CEILING) and mallopt(M_TRIM_THRESHOLD, keep_bytes)):
         return "host malloc: glibc refused mallopt; its default thresholds stay"
     return (
         f"host malloc: up to {keep_bytes / 2**30:g} GiB of freed heap kept for the next step "
-        f"(glibc M_TRIM_THRESHOLD; M_MMAP_THRESHOLD {MMAP_THRESHOLD_MAX >> 20} MiB)"
+        f"(glibc M_TRIM_THRESHOLD; M_MMAP_THRESHOLD {GLIBC_MMAP_CEILING >> 20} MiB)"
     )
 
 
@@ -179,13 +179,13 @@ def exit_process(code: int) -> None:
     """End a rank that joined a process group with `code`: atexit handlers, flushed streams, then os._exit.
 
     The interpreter's own finalization is skipped on purpose. destroy_process_group drops the process group from
-    torch's registry, but FSDP2's parameter groups still hold it (mesh_info.shard_process_group), so its C++
-    worker threads (gloo's; NCCL's watchdog) live until the interpreter tears the last objects down. A worker
-    thread that then frees a tensor Python created must take the GIL, and on Python 3.11-3.13 a thread that takes
-    the GIL during finalization is ended by pthread_exit, whose unwinding through a C++ destructor calls std::terminate: "terminate called without
-    an active exception", SIGABRT. Rarely, and more often on a loaded machine, a finished run then exits -6,
-    torchrun reports it failed, and on several nodes the node whose agent hosts the rendezvous leaves it, so the
-    others fail too. Everything the trainer writes is closed (and fsynced) before main returns; the atexit
+    torch's registry, but FSDP2's parameter groups still hold it (mesh_info.shard_process_group), so its C++ worker
+    threads (gloo's; NCCL's watchdog) live until the interpreter tears the last objects down. A worker thread that
+    then frees a tensor Python created must take the GIL, and on Python 3.11-3.13 a thread that takes the GIL during
+    finalization is ended by pthread_exit, whose unwinding through a C++ destructor calls std::terminate: "terminate
+    called without an active exception", SIGABRT. Rarely, and more often on a loaded machine, a finished run then
+    exits -6, torchrun reports it failed, and on several nodes the node whose agent hosts the rendezvous leaves it,
+    so the others fail too. Everything the trainer writes is closed (and fsynced) before main returns; the atexit
     handlers (torch's included) still run here, while the interpreter is whole."""
     try:
         atexit._run_exitfuncs()

@@ -66,6 +66,12 @@ def check_attention(attention: str, device: str) -> None:
         )
 
 
+# glibc's dynamic mmap threshold stops rising at 32 MiB on 64-bit: a larger allocation is a mapping of its own,
+# unmapped when freed, so a CPU step page-faults it in afresh every step (eagle3.distributed.keep_freed_host_memory,
+# eagle3.plan.cpu_heap_chunk).
+GLIBC_MMAP_CEILING = 32 << 20
+
+
 # The dimensions of a drafter (num_kv_heads apart, 0 meaning num_heads): DrafterConfig's and the planner's Shape's.
 SHAPE_KEYS = (
     "hidden_size",

@@ -719,9 +719,6 @@ def make_plan(
 
 
 LOSS_CHUNKS = (4096, 2048, 1024, 512, 256)
-# glibc's dynamic mmap threshold stops at 32 MiB on 64-bit: a larger allocation is a mapping of its own, unmapped when
-# freed, so a CPU step page-faults it in afresh every step (eagle3.distributed.keep_freed_host_memory).
-CPU_MMAP_CEILING = 32 << 20
 
 
 def cpu_heap_chunk(shape: Shape, seq_len: int) -> int | None:
@@ -736,9 +733,9 @@ def cpu_heap_chunk(shape: Shape, seq_len: int) -> int | None:
     True
     """
     row_bytes = shape.target_vocab_size * 4
-    if seq_len * row_bytes < CPU_MMAP_CEILING:
+    if seq_len * row_bytes < options.GLIBC_MMAP_CEILING:
         return None
-    return next((c for c in LOSS_CHUNKS if c < seq_len and c * row_bytes < CPU_MMAP_CEILING), None)
+    return next((c for c in LOSS_CHUNKS if c < seq_len and c * row_bytes < options.GLIBC_MMAP_CEILING), None)
 
 
 def loss_chunk_choice(
