@@ -393,7 +393,9 @@ def main() -> int:
                    help="lengths table: the memory options the planner picks for this budget (0: config defaults)")  # fmt: skip
     args = p.parse_args()
     if args.timed_tokens < 0:
-        p.error(f"--timed-tokens {args.timed_tokens}: give a number of tokens >= 1, or 0 for twice the longest length")
+        p.error(
+            f"--timed-tokens {args.timed_tokens}: give a number of tokens >= 1, or 0 for twice the longest length"
+        )
     if args.worker == "throughput":
         print(json.dumps(worker_throughput(args)))
         return 0
