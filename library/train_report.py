@@ -110,7 +110,7 @@ last_stop:
   description:
     - The last stop that had to SIGKILL workers (eagle3.launch's C(last-stop.json)), when it came after the
       trainer's last report; {} otherwise. C(message) says which ranks ignored SIGTERM, for how long, and the steps
-      lost since the last checkpoint.
+      lost since the last checkpoint (at least; status.json holds the last logged step).
   type: dict
   returned: always
 status_age_s:

@@ -137,17 +137,28 @@ def worker_rank(pid: int) -> str:
 def escalation_report(stop_signal: str, waited: float, killed: dict[int, str], status: dict | None) -> dict:
     """What a stop that had to SIGKILL looked like, for the journal and status.yml.
 
+    status.json's `step` is the last *logged* step, so the real step is at least that: `steps_lost` is a lower
+    bound, and 0 when the last checkpoint is at or after the last logged step.
+
     >>> r = escalation_report("SIGTERM", 30.0, {4242: "1"}, {"step": 57, "last_checkpoint_step": 50})
     >>> r["message"]
-    'workers ignored SIGTERM for 30 s: rank 1 (pid 4242) got SIGKILL; 7 step(s) since the last checkpoint (step 50) are lost'
+    'workers ignored SIGTERM for 30 s: rank 1 (pid 4242) got SIGKILL; at least 7 step(s) since the last checkpoint (step 50) are lost'
+    >>> r = escalation_report("SIGTERM", 30.0, {4242: "1"}, {"step": 48, "last_checkpoint_step": 50})
+    >>> r["steps_lost"], r["message"].split("SIGKILL; ")[1]
+    (0, 'no logged step since the last checkpoint (step 50; last logged step 48)')
+    >>> escalation_report("SIGTERM", 30.0, {4242: "1"}, {"step": 3})["message"].split("SIGKILL; ")[1]
+    'at least 3 step(s) since the last checkpoint (none yet) are lost'
     """
     status = status or {}
     step, ckpt = status.get("step"), status.get("last_checkpoint_step")
-    lost = (int(step) - int(ckpt or 0)) if step is not None else None
+    lost = max(0, int(step) - int(ckpt or 0)) if step is not None else None
     ranks = ", ".join(f"rank {rank} (pid {pid})" for pid, rank in sorted(killed.items()))
     message = f"workers ignored {stop_signal} for {waited:.0f} s: {ranks} got SIGKILL"
-    if lost is not None:
-        message += f"; {lost} step(s) since the last checkpoint (step {ckpt}) are lost"
+    if lost:
+        where = f"step {ckpt}" if ckpt is not None else "none yet"
+        message += f"; at least {lost} step(s) since the last checkpoint ({where}) are lost"
+    elif lost == 0 and ckpt is not None:
+        message += f"; no logged step since the last checkpoint (step {ckpt}; last logged step {step})"
     return {
         "time": time.time(),
         "signal": stop_signal,
