@@ -55,6 +55,7 @@ class TrainerState:
     seed: int
     best_val_loss: float | None = None
     best_step: int | None = None
+    packing: str = "next_fit"  # the packer of the epoch plans; checkpoints from before the key used next_fit
 
 
 def step_dir_name(step: int) -> str:

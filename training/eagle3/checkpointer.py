@@ -98,7 +98,7 @@ class Checkpointer:
         cfg = self.cfg
         fresh = ckpt.TrainerState(
             step=0, epoch=0, step_in_epoch=0, samples_seen=0, world_size=self.info.world_size,
-            max_seq_len=cfg.max_seq_len, seed=cfg.seed,
+            max_seq_len=cfg.max_seq_len, seed=cfg.seed, packing=cfg.packing,
         )  # fmt: skip
         choice = None
         if self.info.is_main:  # rank 0 verifies (hashes every file once) and tells the others
@@ -129,11 +129,16 @@ class Checkpointer:
             )
             if getattr(state, k) != v
         ]
+        if state.packing != cfg.packing:
+            changed.append(
+                f"packing {state.packing} -> {cfg.packing} (packing: {state.packing} keeps the checkpoint's plan)"
+            )
         resumed_at = state.step
         note = replan_on_resume(state, changed, plan_len(state.epoch))
         if note:
             self.log(note)
         state.world_size, state.max_seq_len, state.seed = self.info.world_size, cfg.max_seq_len, cfg.seed
+        state.packing = cfg.packing
         self.log(
             f"resumed from step {resumed_at} (checkpoint {path}): next is epoch {state.epoch}, "
             f"step {state.step_in_epoch} in the epoch"

@@ -103,6 +103,12 @@ class TrainConfig:
         4096, "tokens in each packed row (one row per rank per step)", bound=SEQ_MULTIPLE,
         fix=lambda v: suggest_seq_len(max(v, 1)),
     )  # fmt: skip
+    packing: str = option(
+        "first_fit", "how samples are packed into rows: first_fit puts each into the fullest row of the step with "
+        "room, passing over up to 64 that fit nowhere (rows 97-99 per cent full); next_fit closes a row at the first "
+        "sample that does not fit (earlier versions' plans: their checkpoints resume on the same plan with it)",
+        choices=("first_fit", "next_fit"),
+    )  # fmt: skip
     ttt_steps: int = option(
         5, "training-time-test steps: tokens drafted ahead and supervised", bound=AT_LEAST_1
     )

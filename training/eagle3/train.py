@@ -348,6 +348,7 @@ class Trainer:
                 world_size=self.info.world_size,
                 seed=self.cfg.seed,
                 epoch=epoch,
+                packing=self.cfg.packing,
             )
             self._plans = {**{e: p for e, p in self._plans.items() if e == epoch - 1}, epoch: plan}
         return plan
@@ -487,7 +488,7 @@ class Trainer:
         self.model.eval()
         plan = plan_epoch(
             self.val_ids, self.reader.index.lengths, max_seq_len=self.cfg.max_seq_len,
-            world_size=self.info.world_size, seed=self.cfg.seed, epoch=0, shuffle=False,
+            world_size=self.info.world_size, seed=self.cfg.seed, epoch=0, shuffle=False, packing=self.cfg.packing,
         )  # fmt: skip
         # val_max_batches: the first rows of the fixed plan, the same on every rank (FSDP runs them in step).
         cap = self.cfg.val_max_batches

@@ -1,7 +1,8 @@
 """Packing: full rows, per-document positions, every sample exactly once, deterministic, balanced."""
 
+import pytest
 import torch
-from eagle3.packing import build_row, plan_epoch, split_train_val
+from eagle3.packing import PACKING_WINDOW, PACKINGS, build_row, plan_epoch, shuffled, split_train_val
 
 
 def _lengths(n, seed=0, lo=20, hi=900):
@@ -9,9 +10,10 @@ def _lengths(n, seed=0, lo=20, hi=900):
     return torch.randint(lo, hi, (n,), generator=g).tolist()
 
 
-def test_every_sample_once_and_rows_fit():
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_every_sample_once_and_rows_fit(packing):
     lengths = _lengths(300)
-    plan = plan_epoch(list(range(300)), lengths, max_seq_len=1024, world_size=4, seed=1, epoch=0)
+    plan = plan_epoch(list(range(300)), lengths, max_seq_len=1024, world_size=4, seed=1, epoch=0, packing=packing)
     seen = [sid for step in plan.steps for rank in step for sid in rank]
     assert sorted(seen) == list(range(300))
     for step in plan.steps:
@@ -21,25 +23,64 @@ def test_every_sample_once_and_rows_fit():
     assert plan.fill > 0.8  # rows are mostly full
 
 
-def test_deterministic_per_seed_and_epoch():
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_deterministic_per_seed_and_epoch(packing):
     lengths = _lengths(100)
     ids = list(range(100))
-    a = plan_epoch(ids, lengths, max_seq_len=1024, world_size=2, seed=3, epoch=1)
-    b = plan_epoch(ids, lengths, max_seq_len=1024, world_size=2, seed=3, epoch=1)
-    c = plan_epoch(ids, lengths, max_seq_len=1024, world_size=2, seed=3, epoch=2)
+    a = plan_epoch(ids, lengths, max_seq_len=1024, world_size=2, seed=3, epoch=1, packing=packing)
+    b = plan_epoch(ids, lengths, max_seq_len=1024, world_size=2, seed=3, epoch=1, packing=packing)
+    c = plan_epoch(ids, lengths, max_seq_len=1024, world_size=2, seed=3, epoch=2, packing=packing)
     assert a.steps == b.steps
     assert a.steps != c.steps
 
 
-def test_lpt_balances_tokens_across_ranks():
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_ranks_get_balanced_tokens(packing):
     lengths = _lengths(400, lo=50, hi=600)
-    plan = plan_epoch(list(range(400)), lengths, max_seq_len=2048, world_size=4, seed=0, epoch=0)
+    plan = plan_epoch(list(range(400)), lengths, max_seq_len=2048, world_size=4, seed=0, epoch=0, packing=packing)
     spreads = []
     for step in plan.steps[:-1]:  # the last step takes what is left
         loads = [sum(lengths[s] for s in rank) for rank in step]
         spreads.append(max(loads) - min(loads))
     # Balanced to within one typical sample, far below a row.
     assert sorted(spreads)[len(spreads) // 2] < 600
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_first_fit_fills_rows_that_next_fit_leaves_part_empty(world_size):
+    lengths = _lengths(2000, lo=48, hi=512)
+    ids = list(range(2000))
+    kw = dict(max_seq_len=1024, world_size=world_size, seed=1, epoch=0)
+    first, then = plan_epoch(ids, lengths, **kw), plan_epoch(ids, lengths, packing="next_fit", **kw)
+    assert first.fill > 0.97 and first.fill > then.fill + 0.015, (first.fill, then.fill)
+    assert len(first) < len(then)
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_first_fit_keeps_the_shuffle_order_to_within_its_window(world_size):
+    """A sample is never placed more than PACKING_WINDOW steps after one that came later in the shuffle, even when
+    half the samples are longer than half a row and queue up one per row."""
+    lengths = _lengths(2000, lo=20, hi=1000)
+    ids = list(range(2000))
+    plan = plan_epoch(ids, lengths, max_seq_len=1024, world_size=world_size, seed=1, epoch=0)
+    step_of = {sid: k for k, step in enumerate(plan.steps) for row in step for sid in row}
+    placed = [step_of[sid] for sid in shuffled(ids, 1, 0)]
+    later_min, delays = len(plan), []
+    for k in reversed(placed):
+        delays.append(k - later_min)
+        later_min = min(later_min, k)
+    assert 0 < max(delays) <= PACKING_WINDOW
+
+
+# plan_epoch's output for the inputs below before first_fit existed (commit 23e64f0).
+EARLIER_NEXT_FIT = [[[5, 7], [3, 4, 1]], [[9, 10, 8], [6, 11]], [[2], [0]]]
+
+
+def test_next_fit_keeps_earlier_versions_plans():
+    """next_fit is what checkpoints from before the packing key were planned with: its plans must not change."""
+    plan = plan_epoch(list(range(12)), _lengths(12, lo=100, hi=700), max_seq_len=1024, world_size=2, seed=5,
+                      epoch=3, packing="next_fit")  # fmt: skip
+    assert plan.steps == EARLIER_NEXT_FIT
 
 
 def test_overlong_samples_are_truncated_and_counted():

@@ -128,6 +128,50 @@ def test_corrupt_checkpoints_are_passed_over_and_status_tells_the_truth(tmp_path
     assert len([p for p in root.iterdir() if ckpt.CORRUPT_SUFFIX in p.name]) == 5
 
 
+# ------------------------------------------------------------------------------------------ the packer of a checkpoint
+def test_a_checkpoint_from_before_the_packing_key_was_packed_next_fit():
+    old = {"step": 4, "epoch": 0, "step_in_epoch": 4, "samples_seen": 9, "world_size": 1, "max_seq_len": 512,
+           "seed": 0, "best_val_loss": None, "best_step": None}  # fmt: skip
+    assert ckpt.TrainerState(**old).packing == "next_fit"
+
+
+def _planned(data, packing):
+    from eagle3.data import DatasetReader
+    from eagle3.packing import plan_epoch
+
+    reader = DatasetReader(data)
+    ids = list(range(reader.index.num_samples))  # val_fraction 0
+    return plan_epoch(ids, reader.index.lengths, max_seq_len=512, world_size=1, seed=0, epoch=0, packing=packing)
+
+
+def test_a_run_resumes_on_its_checkpoints_plan_or_says_it_was_re_planned(tmp_path, data):
+    """A run keeps its packer's plan across a restart; a restart with the other packer re-plans the rest of the epoch,
+    says so and how to keep the checkpoint's plan (packing: next_fit for checkpoints of earlier versions)."""
+    run = tmp_path / "run"
+    cfg = _config(tmp_path, data, packing="next_fit", max_steps=4)
+    assert run_trainer(["train", "--config", str(cfg)], tmp_path / "a.txt", timeout=180) == 0
+    state = json.loads((ckpt.checkpoints_dir(run) / "step_00000004" / "trainer_state.json").read_text())
+    assert state["packing"] == "next_fit"
+
+    log = tmp_path / "b.txt"
+    assert run_trainer(["train", "--config", str(cfg), "--max-steps", "5"], log, timeout=180) == 0
+    assert "packing" not in log.read_text()
+    next_fit, first_fit = _planned(data, "next_fit"), _planned(data, "first_fit")
+    assert next_fit.steps[:5] != first_fit.steps[:5]  # the test tells the packers apart
+    assert [r["ids"] for r in read_samples(run)] == [s[0] for s in next_fit.steps[:5]]
+
+    log = tmp_path / "c.txt"
+    cfg = _config(tmp_path, data, max_steps=7)  # the default packer
+    assert run_trainer(["train", "--config", str(cfg)], log, timeout=180) == 0
+    assert (
+        "warning: packing next_fit -> first_fit (packing: next_fit keeps the checkpoint's plan) since the "
+        f"checkpoint: the rest of epoch 0 is re-planned (from step 5 of {len(first_fit)})"
+    ) in log.read_text()
+    assert [r["ids"] for r in read_samples(run)][5:] == [s[0] for s in first_fit.steps[5:7]]
+    state = json.loads((ckpt.checkpoints_dir(run) / "step_00000007" / "trainer_state.json").read_text())
+    assert state["packing"] == "first_fit"
+
+
 # ------------------------------------------------------------------------------------------ a full disk
 # The trainer in a subprocess, with safetensors' writer failing on its second checkpoint: half the file is
 # written, then ENOSPC, as a disk that fills up during the save.
