@@ -13,7 +13,9 @@ def _lengths(n, seed=0, lo=20, hi=900):
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_every_sample_once_and_rows_fit(packing):
     lengths = _lengths(300)
-    plan = plan_epoch(list(range(300)), lengths, max_seq_len=1024, world_size=4, seed=1, epoch=0, packing=packing)
+    plan = plan_epoch(
+        list(range(300)), lengths, max_seq_len=1024, world_size=4, seed=1, epoch=0, packing=packing
+    )
     seen = [sid for step in plan.steps for rank in step for sid in rank]
     assert sorted(seen) == list(range(300))
     for step in plan.steps:
@@ -37,7 +39,9 @@ def test_deterministic_per_seed_and_epoch(packing):
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_ranks_get_balanced_tokens(packing):
     lengths = _lengths(400, lo=50, hi=600)
-    plan = plan_epoch(list(range(400)), lengths, max_seq_len=2048, world_size=4, seed=0, epoch=0, packing=packing)
+    plan = plan_epoch(
+        list(range(400)), lengths, max_seq_len=2048, world_size=4, seed=0, epoch=0, packing=packing
+    )
     spreads = []
     for step in plan.steps[:-1]:  # the last step takes what is left
         loads = [sum(lengths[s] for s in rank) for rank in step]

@@ -141,7 +141,9 @@ def _planned(data, packing):
 
     reader = DatasetReader(data)
     ids = list(range(reader.index.num_samples))  # val_fraction 0
-    return plan_epoch(ids, reader.index.lengths, max_seq_len=512, world_size=1, seed=0, epoch=0, packing=packing)
+    return plan_epoch(
+        ids, reader.index.lengths, max_seq_len=512, world_size=1, seed=0, epoch=0, packing=packing
+    )
 
 
 def test_a_run_resumes_on_its_checkpoints_plan_or_says_it_was_re_planned(tmp_path, data):
