@@ -11,7 +11,9 @@ Tokens/s per max_seq_len: every length trains on the same documents (the first -
 shuffled epoch of a synthetic dataset, documents of 48-512 tokens, packed into rows of that length; never the
 epoch's partial last row), so a length's figure does not depend on which documents it drew. Tokens are real
 tokens, not padding ('fill' is their share of the slots); 'kernel' is the share of the step spent in the kernel
-(page faults, mostly).
+(page faults, mostly); 'vs shorter' compares each length with the previous one round by round; 'ew ns/el' times the
+MLP's elementwise work at the row's shape, the memory-bound side of the machine (its cost per element rises as a
+row's tensors outgrow the cache).
 
 Saved bytes: the resident set a forward adds and keeps for backward at the 1/8-scaled Kimi-K2.5 drafter shape
 (hidden 896, 8 heads x 64, MLP 2304, draft vocab 4000, target vocab 20480, ttt_steps 5), per token and TTT step.
@@ -117,6 +119,7 @@ def worker_throughput(args) -> dict:
             times.append(time.perf_counter() - t0)
             tokens.append(int((row["document_ids"] >= 0).sum()))
     sys_s = resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0  # page faults, mostly
+    ew_ns = elementwise_ns(args.seq_len, model.cfg.intermediate_size)
     from eagle3.flops import step_flops
     from eagle3.options import SHAPE_KEYS
     from eagle3.plan import Shape
@@ -139,6 +142,7 @@ def worker_throughput(args) -> dict:
         "tokens_per_s": sum(tokens) / sum(times),
         "flop_per_s": flop / sum(times),
         "kernel_share": sys_s / sum(times),
+        "elementwise_ns": ew_ns,
         "fill": sum(tokens) / (len(tokens) * args.seq_len),  # tokens per slot of the timed rows
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
@@ -260,6 +264,21 @@ def matmul_rate(shapes, dtype=torch.float32, device="cpu", reps: int = 3) -> flo
                 torch.cuda.synchronize()
             best = max(best, 2 * m * k * n / (time.perf_counter() - t0))
     return best
+
+
+def elementwise_ns(rows: int, cols: int, reps: int = 7) -> float:
+    """Best nanoseconds per element of `silu(x) * x` over an fp32 [rows, cols] tensor: the MLP's elementwise work at
+    the step's own shape (two reads, two fresh results). Its cost per element rises once the tensors no longer fit
+    the cache, which a matmul rate does not show: the memory-bound side of the machine's limit."""
+    x = torch.randn(rows, cols)
+    best = float("inf")
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        y = torch.nn.functional.silu(x) * x
+        if i:  # the first allocates the results' pages
+            best = min(best, time.perf_counter() - t0)
+        del y
+    return best / (rows * cols) * 1e9
 
 
 def step_matmul_shapes(shape, s: int) -> list[tuple[int, int, int]]:
@@ -458,16 +477,27 @@ def lengths_table(args) -> None:
                 results[s].append(run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--timed-tokens",
                                               str(timed), "--ttt-steps", str(args.ttt_steps), *extra], args.threads))  # fmt: skip
         print(f"{'max_seq_len':>11} {'ckpt':>9} {'chunk':>5} {'steps':>5} {'fill':>6} {'step s':>7} "
-              f"{'tokens/s max':>12} {'tokens/s med':>12} {'GFLOP/s max':>11} {'kernel':>6} {'peak RSS GiB':>13}")  # fmt: skip
-        for s in lengths:
+              f"{'tokens/s max':>12} {'tokens/s med':>12} {'vs shorter':>10} {'GFLOP/s max':>11} {'kernel':>6} "
+              f"{'ew ns/el':>8} {'peak RSS GiB':>13}")  # fmt: skip
+        for k, s in enumerate(lengths):
             rs = results[s]
             r = rs[0]
             rates = [x["tokens_per_s"] for x in rs]
+            # Paired by round (the two processes ran back to back), so the machine's drift over the rounds cancels.
+            paired = (
+                f"{statistics.median(a['tokens_per_s'] / b['tokens_per_s'] for a, b in zip(rs, results[lengths[k - 1]], strict=True)) - 1:>+10.1%}"
+                if k
+                else f"{'':>10}"
+            )  # fmt: skip
             print(f"{s:>11} {r['activation_checkpointing']!s:>9} {r['loss_chunk_size']:>5} {r['steps']:>5} "
                   f"{r['fill']:>6.1%} {statistics.median(x['step_s'] for x in rs):>7.3f} {max(rates):>12.0f} "
-                  f"{statistics.median(rates):>12.0f} {max(x['flop_per_s'] for x in rs) / 1e9:>11.2f} "
+                  f"{statistics.median(rates):>12.0f} {paired} {max(x['flop_per_s'] for x in rs) / 1e9:>11.2f} "
                   f"{statistics.median(x['kernel_share'] for x in rs):>6.1%} "
+                  f"{min(x['elementwise_ns'] for x in rs):>8.2f} "
                   f"{max(x['peak_rss_gb'] for x in rs):>13.2f}", flush=True)  # fmt: skip
+        print("vs shorter: the median over rounds of this length's tokens/s over the previous length's in the same "
+              "round; ew ns/el: silu(x) * x over fp32 [max_seq_len, MLP], best ns per element (memory-bound work: "
+              "it rises once a row's tensors outgrow the cache)")  # fmt: skip
 
 
 def saved_table(args) -> None:
