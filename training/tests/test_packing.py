@@ -123,3 +123,12 @@ def test_validation_split_is_the_tail():
     train, val = split_train_val(100, 0.1)
     assert val == list(range(90, 100))
     assert train == list(range(90))
+
+
+def test_the_config_offers_every_packer_and_defaults_to_first_fit():
+    import dataclasses
+
+    from eagle3.config import TrainConfig
+
+    field = {f.name: f for f in dataclasses.fields(TrainConfig)}["packing"]
+    assert field.metadata["choices"] == PACKINGS and field.default == "first_fit"
