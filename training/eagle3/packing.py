@@ -26,6 +26,7 @@ Samples longer than max_seq_len are truncated (and counted).
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -138,22 +139,22 @@ def plan_epoch(
 
 def _first_fit_step(queue: deque, lengths: list[int], max_seq_len: int, world_size: int) -> list[list[int]]:
     """One step of `first_fit`: consumes what it packs from `queue`; what it passes over stays at the front."""
-    loads = [0] * world_size
     rows: list[list[int]] = [[] for _ in range(world_size)]
+    # (load, -rank), ascending: the fullest row with room for n tokens is the last entry with load <= max_seq_len - n,
+    # and among rows of equal load that is the lowest rank. A bisection, not a scan of every row per sample.
+    by_load = sorted((0, -r) for r in range(world_size))
     passed: list[int] = []
     room = world_size * max_seq_len
     while queue and room and len(passed) < PACKING_WINDOW:
         sid = queue.popleft()
         n = min(lengths[sid], max_seq_len)
-        best = None  # the fullest row with room (best fit); ties go to the lower rank
-        for r in range(world_size):
-            if loads[r] + n <= max_seq_len and (best is None or loads[r] > loads[best]):
-                best = r
-        if best is None:
+        i = bisect_right(by_load, (max_seq_len - n, 0))
+        if i == 0:  # no row has room
             passed.append(sid)
             continue
-        rows[best].append(sid)
-        loads[best] += n
+        load, neg_rank = by_load.pop(i - 1)
+        rows[-neg_rank].append(sid)
+        insort(by_load, (load + n, neg_rank))
         room -= n
     queue.extendleft(reversed(passed))  # the passed-over samples, in their shuffled order, lead the next step
     return rows

@@ -60,6 +60,36 @@ def test_first_fit_fills_rows_that_next_fit_leaves_part_empty(world_size):
     assert len(first) < len(then)
 
 
+def _first_fit_by_definition(order, lengths, max_seq_len, world_size):
+    """first_fit as its docstring states it, scanning every row for every sample."""
+    queue, steps = list(order), []
+    while queue:
+        loads, rows, passed, rest = [0] * world_size, [[] for _ in range(world_size)], [], []
+        for k, sid in enumerate(queue):
+            if len(passed) == PACKING_WINDOW or sum(loads) == world_size * max_seq_len:
+                rest = queue[k:]
+                break
+            n = min(lengths[sid], max_seq_len)
+            fits = [r for r in range(world_size) if loads[r] + n <= max_seq_len]
+            if not fits:
+                passed.append(sid)
+                continue
+            best = max(fits, key=lambda r: (loads[r], -r))  # the fullest; ties to the lower rank
+            rows[best].append(sid)
+            loads[best] += n
+        queue = passed + rest
+        steps.append(rows)
+    return steps
+
+
+@pytest.mark.parametrize(("world_size", "max_seq_len"), [(1, 1024), (3, 1024), (8, 512), (16, 4096)])
+def test_first_fit_is_its_definition(world_size, max_seq_len):
+    lengths = _lengths(600, seed=world_size, lo=10, hi=1500)
+    ids = list(range(600))
+    plan = plan_epoch(ids, lengths, max_seq_len=max_seq_len, world_size=world_size, seed=2, epoch=1)
+    assert plan.steps == _first_fit_by_definition(shuffled(ids, 2, 1), lengths, max_seq_len, world_size)
+
+
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_first_fit_keeps_the_shuffle_order_to_within_its_window(world_size):
     """A sample is never placed more than PACKING_WINDOW steps after one that came later in the shuffle, even when
