@@ -120,25 +120,21 @@ class Checkpointer:
         note = self.layout_note(path, state.world_size)
         if note:
             self.log(note)
+        # The epoch plan's inputs (eagle3.packing.plan_epoch) as the checkpoint recorded them and as they are now.
+        now = {"world_size": self.info.world_size, "max_seq_len": cfg.max_seq_len, "seed": cfg.seed,
+               "packing": cfg.packing}  # fmt: skip
         changed = [
             f"{k} {getattr(state, k)} -> {v}"
-            for k, v in (
-                ("world_size", self.info.world_size),
-                ("max_seq_len", cfg.max_seq_len),
-                ("seed", cfg.seed),
-            )
+            + (f" (packing: {state.packing} keeps the checkpoint's plan)" if k == "packing" else "")
+            for k, v in now.items()
             if getattr(state, k) != v
         ]
-        if state.packing != cfg.packing:
-            changed.append(
-                f"packing {state.packing} -> {cfg.packing} (packing: {state.packing} keeps the checkpoint's plan)"
-            )
         resumed_at = state.step
         note = replan_on_resume(state, changed, plan_len(state.epoch))
         if note:
             self.log(note)
-        state.world_size, state.max_seq_len, state.seed = self.info.world_size, cfg.max_seq_len, cfg.seed
-        state.packing = cfg.packing
+        for k, v in now.items():
+            setattr(state, k, v)
         self.log(
             f"resumed from step {resumed_at} (checkpoint {path}): next is epoch {state.epoch}, "
             f"step {state.step_in_epoch} in the epoch"

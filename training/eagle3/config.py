@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from eagle3.errors import ConfigError
-from eagle3.options import check_attention, checkpoint_mode
+from eagle3.options import PACKINGS, check_attention, checkpoint_mode
 
 # flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
 SEQ_BLOCK = 128
@@ -104,10 +104,10 @@ class TrainConfig:
         fix=lambda v: suggest_seq_len(max(v, 1)),
     )  # fmt: skip
     packing: str = option(
-        "first_fit", "how samples are packed into rows: first_fit puts each into the fullest row of the step with "
+        PACKINGS[0], "how samples are packed into rows: first_fit puts each into the fullest row of the step with "
         "room, passing over up to 64 that fit nowhere (rows 97-99 per cent full); next_fit closes a row at the first "
         "sample that does not fit (earlier versions' plans: their checkpoints resume on the same plan with it)",
-        choices=("first_fit", "next_fit"),
+        choices=PACKINGS,
     )  # fmt: skip
     ttt_steps: int = option(
         5, "training-time-test steps: tokens drafted ahead and supervised", bound=AT_LEAST_1

@@ -66,6 +66,10 @@ def check_attention(attention: str, device: str) -> None:
         )
 
 
+# The packers of eagle3.packing, the first the default (config key `packing`).
+PACKINGS = ("first_fit", "next_fit")
+
+
 # glibc's dynamic mmap threshold stops rising at 32 MiB on 64-bit: a larger allocation is a mapping of its own,
 # unmapped when freed, so a CPU step page-faults it in afresh every step (eagle3.distributed.keep_freed_host_memory,
 # eagle3.plan.cpu_heap_chunk).

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-PACKINGS = ("first_fit", "next_fit")
+from eagle3.options import PACKINGS
+
 # first_fit: samples passed over (they fit no row of the step) before a step closes. 64 brings rows of a
 # few documents to within 1-3 % of full (docs/speed.md has the measurement); a wider window gains little.
 PACKING_WINDOW = 64
