@@ -12,9 +12,12 @@ import subprocess
 
 # The trainer's exit codes as the unit sees them. training/eagle3/errors.py is the source; this copy (the target
 # side is stdlib only) and the unit's RestartPreventExitStatus= are held to it by tests/test_contracts.py.
-EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_HANG = 0, 1, 2, 3, 4
-# Exits a restart cannot fix (the unit's RestartPreventExitStatus=): bad config/data, out of memory.
-NO_RESTART_EXITS = (EXIT_CONFIG, EXIT_OOM)
+EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_HANG, EXIT_STORAGE = 0, 1, 2, 3, 4, 5
+# Exits a restart cannot fix (the unit's RestartPreventExitStatus=): bad config/data, out of memory, a checkpoint
+# folder that refuses writes.
+NO_RESTART_EXITS = (EXIT_CONFIG, EXIT_OOM, EXIT_STORAGE)
+# The trainer's error kinds for a checkpoint folder that refuses writes (eagle3.errors.STORAGE_KINDS' values).
+STORAGE_ERROR_KINDS = ("disk_full", "read_only", "no_permission")
 
 UNIT_PROPERTIES = (
     "ActiveState",
@@ -84,7 +87,7 @@ def verdict(
     status: dict | None, unit: dict, *, min_steps: int, started_at: float, max_seq_len: int | None = None
 ):
     """Classify what we see. Returns (kind, message), kind one of: healthy, done, waiting, oom, config, hang,
-    disk_full, crash, stopped.
+    disk_full, read_only, no_permission, crash, stopped.
 
     >>> verdict({"phase": "training", "step": 5, "resumed_from_step": 0, "updated": 10}, {"ActiveState": "active"},
     ...         min_steps=3, started_at=5)[0]
@@ -113,8 +116,12 @@ def verdict(
                 "hang",
                 f"the trainer hung (its watchdog ended it; it restarts from the last checkpoint): {err.get('message', '')}",
             )
-        if kind == "disk_full":
-            return "disk_full", f"the disk is full, no checkpoint could be written: {err.get('message', '')}"
+        if kind in STORAGE_ERROR_KINDS:
+            where = f" ({err['errno']} on {err['path']})" if err.get("errno") and err.get("path") else ""
+            return kind, (
+                f"the checkpoint folder refuses writes{where}, so the run stopped and is not restarted: "
+                f"{err.get('message', '')}"
+            )
         return "crash", f"the trainer crashed: {err.get('message', '')}"
     active = unit.get("ActiveState", "")
     if fresh and status.get("phase") == "done":
@@ -234,7 +241,7 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
         out["state"] = "failed"
         out["detail"] = "the run is ending" + (
             "; the unit restarts it from the last checkpoint"
-            if err.get("kind") not in ("config", "oom")
+            if err.get("kind") not in ("config", "oom", *STORAGE_ERROR_KINDS)
             else "; the unit does not restart it"
         )
         return out

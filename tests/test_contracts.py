@@ -34,11 +34,13 @@ def test_exit_codes_of_the_target_side_are_the_trainers():
 
 
 def test_launch_maps_every_error_kind_with_its_own_exit_code():
-    assert launch.EXIT_BY_ERROR_KIND == {
+    assert {
         "config": errors.EXIT_CONFIG,
         "oom": errors.EXIT_OOM,
         "hang": errors.EXIT_HANG,
-    }
+        **dict.fromkeys(errors.STORAGE_KINDS.values(), errors.EXIT_STORAGE),
+    } == launch.EXIT_BY_ERROR_KIND
+    assert set(train_status.STORAGE_ERROR_KINDS) == set(errors.STORAGE_KINDS.values())
 
 
 def test_the_unit_never_restarts_exactly_the_exits_a_restart_cannot_fix():

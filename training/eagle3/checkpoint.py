@@ -35,12 +35,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.errors import STORAGE_KINDS
+
 MARKER = "COMPLETE"
 STEP_RE = re.compile(r"^step_(\d{8})$")
 BEST = "best"
 CORRUPT_SUFFIX = ".corrupt"
 REQUIRED_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.json")
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# (number, name) of the errnos in eagle3.errors.STORAGE_KINDS, to recognise them in wrapped messages.
+STORAGE_ERRNOS = tuple((getattr(errno, name), name) for name in STORAGE_KINDS)
 _CHUNK = 8 * 2**20
 
 
@@ -161,26 +164,41 @@ def write_main(
     (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC or EDQUOT, possibly wrapped: safetensors says so in its message, torch.save (to a file object) keeps the
-    OSError as the context of its RuntimeError.
+def storage_errno(exc: BaseException) -> str | None:
+    """The errno name when `exc` is a folder refusing a write (eagle3.errors.STORAGE_KINDS), else None.
 
-    >>> is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
-    True
-    >>> is_disk_full(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
-    True
-    >>> is_disk_full(OSError(errno.EACCES, "Permission denied"))
-    False
+    The OSError may be wrapped: safetensors says so only in its message ("... (os error 30)"), torch.save (to a
+    file object) keeps it as the context of its RuntimeError.
+
+    >>> storage_errno(OSError(errno.ENOSPC, "No space left on device"))
+    'ENOSPC'
+    >>> storage_errno(RuntimeError("Error while serializing: I/O error: Read-only file system (os error 30)"))
+    'EROFS'
+    >>> storage_errno(OSError(errno.EACCES, "Permission denied")), storage_errno(OSError(errno.EIO, "I/O"))
+    ('EACCES', None)
     """
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            return True
-        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
-            return True
+        if isinstance(exc, OSError) and errno.errorcode.get(exc.errno) in STORAGE_KINDS:
+            return errno.errorcode[exc.errno]
+        text = str(exc)
+        for number, name in STORAGE_ERRNOS:
+            if f"(os error {number})" in text or os.strerror(number) in text:
+                return name
         exc = exc.__cause__ or exc.__context__
-    return False
+    return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT, possibly wrapped (see storage_errno).
+
+    >>> is_disk_full(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    True
+    >>> is_disk_full(OSError(errno.EROFS, "Read-only file system"))
+    False
+    """
+    return STORAGE_KINDS.get(storage_errno(exc) or "") == "disk_full"
 
 
 def file_digest(path: Path) -> tuple[int, str]:
@@ -235,22 +253,42 @@ def prune(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
     return doomed
 
 
-def save_best(run_dir: str | os.PathLike, step_checkpoint: Path) -> Path:
-    """Publish a complete step checkpoint as `checkpoints/best` atomically (link or copy, then rename over).
+def _copy_file(src: str, dst: str) -> str:
+    """Copy one file's bytes with copy_file_range (falls back to shutil.copyfile), fsynced."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        try:
+            done = 0
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            fin.seek(0)
+            fout.seek(0)
+            fout.truncate()
+            shutil.copyfileobj(fin, fout, _CHUNK)
+        os.fsync(fout.fileno())
+    shutil.copystat(src, dst)
+    return dst
 
-    A failure (a full disk while copying) removes the temporary copy and leaves the previous `best` as it was.
+
+def save_best(run_dir: str | os.PathLike, step_checkpoint: Path) -> Path:
+    """Publish a complete step checkpoint as `checkpoints/best` atomically (copy, then rename over).
+
+    A real copy, not hard links: damage to the step's files in place (a disk error, a stray write) must not
+    reach `best`. copy_file_range lets the kernel copy without the data passing through this process, and
+    shares the blocks (reflink) on filesystems that can (XFS, Btrfs). A failure (a full disk while copying)
+    removes the temporary copy and leaves the previous `best` as it was.
     """
     root = checkpoints_dir(run_dir)
     tmp = root / ".tmp_best"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        # Hard links: step checkpoints are never modified once complete, and a copy of a large drafter's
-        # optimizer state would take minutes. Falls back to copying across filesystems.
-        try:
-            shutil.copytree(step_checkpoint, tmp, copy_function=os.link)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(step_checkpoint, tmp)
+        shutil.copytree(step_checkpoint, tmp, copy_function=_copy_file)
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,14 +8,16 @@ checkpoint.py; this module is what the ranks do around them.
             all ranks, HSDP): set_model_state_dict / set_optimizer_state_dict re-shard it on load.
     save    rank 0 makes the temporary directory -> agree -> every rank writes its RNG state, rank 0 the weights,
             optimizer, scheduler, trainer state and config -> agree -> rank 0 finalizes (and publishes best)
-            -> agree. A failed stage removes the temporary directory on every rank and raises: DiskFullError
-            for a full disk (the previous checkpoints intact), the error itself otherwise.
+            -> agree. A failed stage removes the temporary directory on every rank and raises: StorageError
+            for a folder that refuses the write (the previous checkpoints intact), the error itself otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
 from eagle3.config import TrainConfig
-from eagle3.errors import ConfigError, DiskFullError
+from eagle3.errors import STORAGE_KINDS, ConfigError, StorageError
 from eagle3.metrics import RunFiles
 
 
@@ -189,8 +191,9 @@ class Checkpointer:
         """Write a step checkpoint (every rank takes part) and, when `best`, publish it as checkpoints/best.
 
         The ranks agree after each stage. A failed write removes the temporary directory and keeps the previous
-        checkpoints; a full disk raises DiskFullError on every rank (exit 1, status.json error kind disk_full:
-        training does not go on without checkpoints), any other failure is raised as it is.
+        checkpoints; a folder that refuses the write (full, read-only, no permission) raises StorageError on every
+        rank (exit 5, status.json error kind disk_full, read_only or no_permission: training does not go on
+        without checkpoints, and a restart would lose the same steps again), any other failure is raised as it is.
         """
         main = self.info.is_main
         tmp = ckpt.tmp_dir_for(self.cfg.run_dir, state.step)
@@ -241,8 +244,14 @@ class Checkpointer:
         return final
 
     def _agree(self, failure: Exception | None, step: int, tmp: Path, written: Path | None = None) -> None:
-        """One collective: did any rank fail (2: a full disk)? If so clean up, say so and raise on every rank."""
-        code = 0 if failure is None else 2 if ckpt.is_disk_full(failure) else 1
+        """One collective: did any rank fail? If so clean up, say so and raise on every rank.
+
+        The code each rank contributes: 0 fine, 1 any other failure, 2 + i a folder refusing the write with the
+        i-th errno of ckpt.STORAGE_ERRNOS (the largest wins, so every rank raises the same StorageError).
+        """
+        errno_name = ckpt.storage_errno(failure) if failure is not None else None
+        names = [name for _, name in ckpt.STORAGE_ERRNOS]
+        code = 0 if failure is None else 1 if errno_name is None else 2 + names.index(errno_name)
         code = int(
             dist_utils.all_reduce(torch.tensor([float(code)], dtype=torch.float64), self.info, "max").item()
         )
@@ -256,8 +265,13 @@ class Checkpointer:
             if failure is not None:
                 raise failure
             raise RuntimeError(f"checkpoint at step {step} not written: another rank failed writing it")
+        errno_name = names[code - 2]
         if not self.info.is_main:
-            raise DiskFullError(f"checkpoint at step {step} not written: disk full (rank 0 names the path)")
+            raise StorageError(
+                f"checkpoint at step {step} not written: {errno_name} (rank 0 names the path)",
+                errno_name=errno_name,
+                path=str(root),
+            )
         valid = ckpt.list_valid(self.cfg.run_dir)
         kept = f"previous checkpoint step {valid[-1][0]} kept" if valid else "no previous checkpoint"
         if written is not None and valid and valid[-1][1] == written:
@@ -265,14 +279,31 @@ class Checkpointer:
             kept = f"checkpoint step {step} kept"
         else:
             head = f"checkpoint at step {step} not written"
-        free = ""
-        with contextlib.suppress(OSError):
-            free_bytes = shutil.disk_usage(root).free
-            free = (
-                f" ({free_bytes / 2**30:.1f} GiB free now)"
-                if free_bytes >= 2**30
-                else f" ({free_bytes >> 20} MiB free now)"
-            )
-        message = f"{head}: disk full on {root}{free}; {kept}"
+        message = f"{head}: {storage_problem(root, errno_name)}; {kept}; the run stops (a restart would lose the same steps again)"
         self.log(message)
-        raise DiskFullError(message) from failure
+        raise StorageError(message, errno_name=errno_name, path=str(root)) from failure
+
+
+def storage_problem(root: Path, errno_name: str) -> str:
+    """What is wrong with the checkpoint folder, for a person: the path, the errno and the free space when full.
+
+    >>> storage_problem(Path("/nonexistent/ckpt"), "EROFS")
+    '/nonexistent/ckpt is read-only (EROFS: Read-only file system): remount it read-write or choose another run_dir'
+    >>> storage_problem(Path("/nonexistent/ckpt"), "EACCES")
+    '/nonexistent/ckpt cannot be written by this user (EACCES: Permission denied): fix its owner or mode'
+    """
+    why = f"{errno_name}: {os.strerror(getattr(errno, errno_name))}"
+    kind = STORAGE_KINDS[errno_name]
+    if kind == "read_only":
+        return f"{root} is read-only ({why}): remount it read-write or choose another run_dir"
+    if kind == "no_permission":
+        return f"{root} cannot be written by this user ({why}): fix its owner or mode"
+    free = ""
+    with contextlib.suppress(OSError):
+        free_bytes = shutil.disk_usage(root).free
+        free = (
+            f", {free_bytes / 2**30:.1f} GiB free now"
+            if free_bytes >= 2**30
+            else f", {free_bytes >> 20} MiB free now"
+        )
+    return f"disk full on {root} ({why}{free}): free space or choose another run_dir"

@@ -14,6 +14,8 @@ comes from the trainer's own status.json:
     phase stopped or done        -> 0  (clean: the unit ends inactive, not failed)
     error.kind == "config"       -> 2  (RestartPreventExitStatus: a restart cannot help)
     error.kind == "oom"          -> 3  (RestartPreventExitStatus: the planner must choose again)
+    error.kind == "hang"         -> 4  (restart from the last checkpoint)
+    disk_full, read_only, no_permission -> 5  (RestartPreventExitStatus: the checkpoint folder needs a person)
     anything else                -> torchrun's own status (1 for a crash: restart with back-off)
 
 Usage: python -m eagle3.launch --status RUN_DIR/status.json -- torchrun [ARGS...]
@@ -30,10 +32,15 @@ import subprocess
 import sys
 import time
 
-from eagle3.errors import EXIT_CONFIG, EXIT_HANG, EXIT_OOM
+from eagle3.errors import EXIT_CONFIG, EXIT_HANG, EXIT_OOM, EXIT_STORAGE, STATUS_FILE_ENV, STORAGE_KINDS
 
 # The trainer's error kinds that have an exit status of their own (eagle3/errors.py is the one source).
-EXIT_BY_ERROR_KIND = {"config": EXIT_CONFIG, "oom": EXIT_OOM, "hang": EXIT_HANG}
+EXIT_BY_ERROR_KIND = {
+    "config": EXIT_CONFIG,
+    "oom": EXIT_OOM,
+    "hang": EXIT_HANG,
+    **dict.fromkeys(STORAGE_KINDS.values(), EXIT_STORAGE),
+}
 TO_WORKERS = (signal.SIGTERM, signal.SIGINT)  # the trainer checkpoints on these; SIGHUP goes to the agent
 # Beside status.json when a stop had to SIGKILL workers; status.yml and cleanup read it (tests/test_contracts.py).
 LAST_STOP_FILE = "last-stop.json"
@@ -199,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give the torchrun command after --")
 
     started_at = time.time()
-    child = subprocess.Popen(command)
+    # The workers inherit where status.json is: a config that cannot be parsed still reports there (exit 2).
+    child = subprocess.Popen(command, env={**os.environ, STATUS_FILE_ENV: args.status})
     stop_signal, stop_at, killed = "", 0.0, {}
 
     def forward(signum, _frame):

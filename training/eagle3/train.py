@@ -4,8 +4,8 @@
                -> resume from the newest valid checkpoint
     each step  fetch one packed row per rank (prefetched) -> TTT forward -> backward -> clip -> AdamW -> scheduler
     boundary   one collective: stop flag (+ metrics at log steps) -> log -> validate -> checkpoint -> stop?
-    exit       0 done or stopped cleanly, 2 bad config/data, 3 out of memory, 4 hang (watchdog), 1 anything else
-               (a full disk while checkpointing too: error kind disk_full, the previous checkpoints intact)
+    exit       0 done or stopped cleanly, 2 bad config/data, 3 out of memory, 4 hang (watchdog), 5 a run_dir that
+               refuses writes (full, read-only, no permission; the previous checkpoints intact), 1 anything else
 
 Everything that can be checked without the GPU is checked before CUDA or the process group are touched, so
 bad input exits with code 2 before any GPU memory is taken.
@@ -33,9 +33,20 @@ from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
 from eagle3 import options
 from eagle3.checkpointer import Checkpointer
-from eagle3.config import TrainConfig, dump_config, load_config
+from eagle3.config import TrainConfig, atomic_write_json, dump_config, load_config
 from eagle3.data import DatasetReader
-from eagle3.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_OOM, ConfigError, DataError, DiskFullError
+from eagle3.errors import (
+    EXIT_CONFIG,
+    EXIT_CRASH,
+    EXIT_OK,
+    EXIT_OOM,
+    EXIT_STORAGE,
+    STATUS_FILE_ENV,
+    STORAGE_KINDS,
+    ConfigError,
+    DataError,
+    StorageError,
+)
 from eagle3.metrics import (
     SCALAR_SUM_KEYS,
     TIMER_KEYS,
@@ -716,20 +727,58 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------------------- entry point
-def _config_error_status(run_dir: str | None, message: str, max_seq_len: int | None) -> None:
-    if not run_dir or dist_utils.env_rank()[0] != 0:
+def _config_error_status(status_file: str | None, message: str, max_seq_len: int | None) -> None:
+    """Record a config error in status.json, keeping what the file says of earlier runs (their last step and
+    checkpoint stay visible). `status_file`: from the config's run_dir when it could be read, else where the
+    launcher said (eagle3.errors.STATUS_FILE_ENV), else nowhere."""
+    if not status_file or dist_utils.env_rank()[0] != 0:
         return
+    path = Path(status_file)
     try:
-        files = RunFiles(run_dir)
-        files.run_dir.mkdir(parents=True, exist_ok=True)
-        files.update_status(phase="failed", max_seq_len=max_seq_len or 0,
-                            error={"kind": "config", "message": message, "max_seq_len": max_seq_len or 0})  # fmt: skip
-    except OSError:
-        pass
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    old = old if isinstance(old, dict) else {}
+    error = {"kind": "config", "message": message, "max_seq_len": max_seq_len or old.get("max_seq_len") or 0}
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {**old, **_previous_run(old), "phase": "failed", "error": error,
+                                 "pid": os.getpid(), "updated": time.time()})  # fmt: skip
+
+
+def _previous_run(old: dict) -> dict:
+    """What an earlier run's status.json said of itself, kept under `previous_run` by the next start.
+
+    >>> _previous_run({"phase": "training", "step": 40, "epoch": 1, "updated": 5.0, "error": None})
+    {'previous_run': {'phase': 'training', 'step': 40, 'epoch': 1, 'updated': 5.0, 'error_kind': None}}
+    >>> _previous_run({"phase": "failed", "step": 0, "previous_run": {"step": 40}})  # a run that did no step
+    {'previous_run': {'step': 40}}
+    >>> _previous_run({})
+    {}
+    """
+    if not old:
+        return {}
+    if not old.get("step") and old.get("previous_run"):
+        return {"previous_run": old["previous_run"]}
+    fields = {k: old.get(k) for k in ("phase", "step", "epoch", "updated")}
+    return {"previous_run": {**fields, "error_kind": (old.get("error") or {}).get("kind")}}
+
+
+def _carry_over(files: RunFiles) -> None:
+    """Rank 0 at a start: the newest complete checkpoint on disk and the previous run's last step, so that a start
+    that fails before resuming still shows them."""
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads((files.run_dir / "status.json").read_text())
+        files.status.update(_previous_run(old if isinstance(old, dict) else {}))
+    valid = ckpt.list_valid(files.run_dir)
+    if valid:
+        files.status["last_checkpoint_step"] = valid[-1][0]
+        files.status["last_checkpoint_time"] = ckpt.checkpoint_time(valid[-1][1])
 
 
 def _raw_value(argv: list[str], config_path: str | None, key: str) -> str | None:
-    """Best effort: a key's raw value when the config failed validation (to place status.json)."""
+    """Best effort: a key's raw value when the config failed validation (to place status.json). Never raises:
+    the file may be the very thing that could not be parsed."""
     flag = "--" + key.replace("_", "-")
     for i, arg in enumerate(argv):
         if arg in (flag, "--" + key) and i + 1 < len(argv):
@@ -739,10 +788,10 @@ def _raw_value(argv: list[str], config_path: str | None, key: str) -> str | None
     if config_path:
         try:
             data = yaml.safe_load(Path(config_path).read_text())
-            if isinstance(data, dict) and data.get(key) is not None:
-                return str(data[key])
-        except (OSError, ValueError):
+        except (OSError, ValueError, yaml.YAMLError):
             return None
+        if isinstance(data, dict) and data.get(key) is not None:
+            return str(data[key])
     return None
 
 
@@ -766,8 +815,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         raw_len = _raw_value(rest, config_path, "max_seq_len")
+        run_dir = _raw_value(rest, config_path, "run_dir")
         _config_error_status(
-            _raw_value(rest, config_path, "run_dir"),
+            str(Path(run_dir) / "status.json") if run_dir else os.environ.get(STATUS_FILE_ENV),
             str(e),
             int(raw_len) if (raw_len or "").isdigit() else None,
         )
@@ -777,7 +827,7 @@ def main(argv: list[str]) -> int:
     files = RunFiles(cfg.run_dir, enabled=rank == 0)
     files.status["max_seq_len"] = cfg.max_seq_len
 
-    def record_error(kind: str, message: str) -> None:
+    def record_error(kind: str, message: str, **detail) -> None:
         # Any rank may record an OOM or a hang (the others only see a broken or waiting collective); rank 0
         # records the rest.
         if rank != 0 and kind not in ("oom", "hang"):
@@ -796,7 +846,8 @@ def main(argv: list[str]) -> int:
         files.enabled = True
         try:
             files.update_status(
-                phase="failed", error={"kind": kind, "message": message, "max_seq_len": cfg.max_seq_len}
+                phase="failed",
+                error={"kind": kind, "message": message, "max_seq_len": cfg.max_seq_len, **detail},
             )
         except OSError as e:  # a full disk: the journal still has the message
             print(
@@ -822,6 +873,7 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             ckpt.remove_stale(cfg.run_dir)
             dump_config(cfg, cfg.run_dir)
+            _carry_over(files)
             files.update_status(phase="starting")
         trainer = Trainer(cfg, describe, files, stop)
         if host_malloc:
@@ -854,10 +906,10 @@ def main(argv: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         record_error("config", str(e))
         return EXIT_CONFIG
-    except DiskFullError as e:
-        print(f"disk full: {e}", file=sys.stderr, flush=True)
-        record_error("disk_full", str(e))
-        return EXIT_CRASH
+    except StorageError as e:
+        print(f"{e.kind}: {e}", file=sys.stderr, flush=True)
+        record_error(e.kind, str(e), errno=e.errno_name, path=e.path)
+        return EXIT_STORAGE
     except BaseException as e:
         if isinstance(e, SystemExit | KeyboardInterrupt) and not is_oom(e):
             raise
@@ -875,7 +927,16 @@ def main(argv: list[str]) -> int:
             record_error("oom", message)
             return EXIT_OOM
         traceback.print_exc()
-        record_error("disk_full" if ckpt.is_disk_full(e) else "crash", f"{type(e).__name__}: {e}"[:2000])
+        errno_name = ckpt.storage_errno(e)
+        if (
+            errno_name
+        ):  # a write into run_dir outside a checkpoint (status, metrics): the same, a restart cannot help
+            path = str(getattr(e, "filename", None) or cfg.run_dir)
+            record_error(
+                STORAGE_KINDS[errno_name], f"{path}: {errno_name}: {e}"[:2000], errno=errno_name, path=path
+            )
+            return EXIT_STORAGE
+        record_error("crash", f"{type(e).__name__}: {e}"[:2000])
         return EXIT_CRASH
     finally:
         if watchdog is not None:

@@ -185,6 +185,17 @@ def test_full_disk_while_publishing_best_keeps_the_old_best(tmp_path, monkeypatc
     assert ckpt.load_model_state(root / ckpt.BEST)["weight"].round().eq(1).all()
 
 
+def test_best_is_a_copy_that_damage_to_its_step_does_not_reach(tmp_path):
+    step = _save(tmp_path, 3, weight=3)
+    best = ckpt.save_best(tmp_path, step)
+    for name in ckpt.REQUIRED_FILES:
+        assert os.stat(best / name).st_ino != os.stat(step / name).st_ino  # not a hard link
+    _zero_fill(step / "model.safetensors")  # the step's weights damaged in place
+    assert ckpt.verify(step) is not None
+    assert ckpt.verify(best) is None
+    assert ckpt.load_model_state(best)["weight"].round().eq(3).all()
+
+
 def test_full_disk_in_the_middle_of_a_save_leaves_the_previous_checkpoints(tmp_path, monkeypatch):
     _save(tmp_path, 2, weight=2)
     real = ckpt.save_file

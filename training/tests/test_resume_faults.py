@@ -14,7 +14,7 @@ import sys
 import pytest
 from eagle3 import checkpoint as ckpt
 from eagle3.checkpointer import replan_on_resume
-from eagle3.errors import EXIT_CRASH
+from eagle3.errors import EXIT_CONFIG, EXIT_STORAGE
 from pipeline_support import (
     TRAINING_ROOT,
     read_samples,
@@ -178,19 +178,20 @@ def test_a_run_resumes_on_its_checkpoints_plan_or_says_it_was_re_planned(tmp_pat
 # The trainer in a subprocess, with safetensors' writer failing on its second checkpoint: half the file is
 # written, then ENOSPC, as a disk that fills up during the save.
 FULL_DISK_DRIVER = """
-import errno, sys
+import errno, os, sys
 from eagle3 import checkpoint as ckpt
 from eagle3.train import main
 
 real = ckpt.save_file
 calls = []
+failure = getattr(errno, os.environ.get("FAULT_ERRNO", "ENOSPC"))
 
 def save_file(tensors, filename, *args, **kwargs):
     calls.append(filename)
     if len(calls) == 2:
         with open(filename, "wb") as f:
             f.write(b"\\0" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+        raise OSError(failure, os.strerror(failure), filename)
     return real(tensors, filename, *args, **kwargs)
 
 ckpt.save_file = save_file
@@ -198,31 +199,45 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one_and_exits_1(tmp_path, data):
+@pytest.mark.parametrize(
+    ("errno_name", "kind", "says"),
+    [
+        ("ENOSPC", "disk_full", "disk full on {root} (ENOSPC: No space left on device"),
+        ("EROFS", "read_only", "{root} is read-only (EROFS: Read-only file system)"),
+        ("EACCES", "no_permission", "{root} cannot be written by this user (EACCES: Permission denied)"),
+    ],
+)
+def test_a_checkpoint_folder_that_refuses_a_write_keeps_the_previous_one_and_stops(
+    tmp_path, data, errno_name, kind, says
+):
     cfg = _config(tmp_path, data)
     run = tmp_path / "run"
     root = ckpt.checkpoints_dir(run)
     log = tmp_path / "full.txt"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", FULL_DISK_DRIVER, "--config", str(cfg)], cwd=TRAINING_ROOT, env=trainer_env(),
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-c", FULL_DISK_DRIVER, "--config", str(cfg)], cwd=TRAINING_ROOT,
+            env={**trainer_env(), "FAULT_ERRNO": errno_name}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )  # fmt: skip
     try:
         rc = proc.wait(timeout=180)
     finally:
         reap(proc)
     text = log.read_text()
-    assert rc == EXIT_CRASH, text
-    line = f"checkpoint at step 4 not written: disk full on {root}"
+    # Its own exit status, which the unit never restarts: a restart would train to the next save and fail again.
+    assert rc == EXIT_STORAGE, text
+    line = f"checkpoint at step 4 not written: {says.format(root=root)}"
     assert line in text and "previous checkpoint step 2 kept" in text
     assert "Traceback" not in text  # a clear line, not a stack trace
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]  # the partial directory is gone
     assert ckpt.verify(root / "step_00000002") is None
     status = read_status(run)
-    assert status["phase"] == "failed" and status["error"]["kind"] == "disk_full"
+    assert status["phase"] == "failed" and status["error"]["kind"] == kind
+    assert status["error"]["errno"] == errno_name and status["error"]["path"] == str(root)
     assert line in status["error"]["message"] and status["last_checkpoint_step"] == 2
-
+    if errno_name != "ENOSPC":
+        return
     # Space again: the restart resumes from the kept checkpoint and finishes.
     assert run_trainer(["train", "--config", str(cfg)], tmp_path / "again.txt", timeout=180) == 0
     status = read_status(run)
@@ -262,7 +277,7 @@ def test_a_real_full_disk_takes_the_same_path(tmp_path, data):
     finally:
         reap(proc)
     text = log.read_text()
-    assert rc == EXIT_CRASH, text
+    assert rc == EXIT_STORAGE, text
     root = ckpt.checkpoints_dir(small / "run")
     assert f"checkpoint at step 4 not written: disk full on {root}" in text, text
     assert "previous checkpoint step 2 kept" in text
@@ -270,3 +285,57 @@ def test_a_real_full_disk_takes_the_same_path(tmp_path, data):
     assert ckpt.verify(ckpt.checkpoints_dir(out) / "step_00000002") is None
     error = read_status(out)["error"]
     assert error["kind"] == "disk_full" and "previous checkpoint step 2 kept" in error["message"]
+
+
+def test_a_read_only_checkpoint_folder_stops_the_run_at_its_first_save(tmp_path, data):
+    """checkpoints/ bind-mounted read-only (in the trainer's own mount namespace): the real EROFS, exit 5, the
+    folder and the errno in status.json; the run folder itself stays writable."""
+    run = tmp_path / "run"
+    root = ckpt.checkpoints_dir(run)
+    root.mkdir(parents=True)
+    if not _can_mount_private_tmpfs(tmp_path):
+        pytest.skip("needs root and a private mount namespace (unshare -m)")
+    cfg = _config(tmp_path, data)
+    log = tmp_path / "log.txt"
+    script = (
+        f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
+        f"exec {sys.executable} -m eagle3 train --config {cfg} > {log} 2>&1"
+    )
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=TRAINING_ROOT, env=trainer_env(),
+                            start_new_session=True)  # fmt: skip
+    try:
+        rc = proc.wait(timeout=180)
+    finally:
+        reap(proc)
+    text = log.read_text()
+    assert rc == EXIT_STORAGE, text
+    assert (
+        f"checkpoint at step 2 not written: {root} is read-only (EROFS" in text
+        and "no previous checkpoint" in text
+    )
+    error = read_status(run)["error"]
+    assert (error["kind"], error["errno"], error["path"]) == ("read_only", "EROFS", str(root))
+    assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("broken", ["max_seq_len: [", "run_dir: /x\n\tbad: tab", "- a list\n- not a mapping"])
+def test_a_config_file_that_cannot_be_parsed_exits_2_and_says_so_where_the_launcher_looks(tmp_path, broken):
+    """Even a config whose run_dir cannot be read reports a config error (exit 2, never restarted) in the
+    status.json the launcher names, keeping what that file said of the earlier run."""
+    status_file = tmp_path / "run" / "status.json"
+    status_file.parent.mkdir()
+    status_file.write_text(json.dumps({"phase": "training", "step": 40, "epoch": 1, "last_checkpoint_step": 25,
+                                       "updated": 1.0, "error": None}))  # fmt: skip
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(broken)
+    log = tmp_path / "log.txt"
+    env = {**trainer_env(), "EAGLE3_STATUS_FILE": str(status_file)}
+    rc = run_trainer(["train", "--config", str(cfg)], log, timeout=60, env=env)
+    assert rc == EXIT_CONFIG, log.read_text()
+    assert "Traceback" not in log.read_text()
+    status = json.loads(status_file.read_text())
+    assert status["phase"] == "failed" and status["error"]["kind"] == "config"
+    assert str(cfg) in status["error"]["message"]
+    # The last real step and checkpoint survive the failure.
+    assert (status["step"], status["last_checkpoint_step"]) == (40, 25)
+    assert status["previous_run"]["step"] == 40
