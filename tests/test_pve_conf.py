@@ -8,8 +8,15 @@ import subprocess
 import sys
 import time
 
-import ansible.module_utils.pve as pve_utils
+import ansible.module_utils.pve_auth as pve_auth
 import ansible.module_utils.pve_conf as pve_conf
+import ansible.module_utils.pve_ct as pve_ct
+import ansible.module_utils.pve_errors as pve_errors
+import ansible.module_utils.pve_restart as pve_restart
+import ansible.module_utils.pve_rights as pve_rights
+import ansible.module_utils.pve_session as pve_session
+import ansible.module_utils.pve_spec as pve_spec
+import ansible.module_utils.pve_tasks as pve_tasks
 import pytest
 from pve_fixtures import ROOT, load_file_module, run_module
 
@@ -47,9 +54,14 @@ memory: 32768
 """
 
 
-@pytest.mark.parametrize("module", [pve_utils, pve_conf], ids=["pve", "pve_conf"])
-def test_docstring_examples_hold(module):
-    failures, tried = doctest.testmod(module)
+# The API side of pve_lxc, one concern per file.
+PVE_API = (pve_auth, pve_ct, pve_errors, pve_restart, pve_rights, pve_session, pve_spec, pve_tasks)
+
+
+@pytest.mark.parametrize("modules", [PVE_API, (pve_conf,)], ids=["pve", "pve_conf"])
+def test_docstring_examples_hold(modules):
+    results = [doctest.testmod(module) for module in modules]
+    failures, tried = sum(r.failed for r in results), sum(r.attempted for r in results)
     assert tried > 10 and failures == 0
 
 

@@ -10,6 +10,7 @@ import asyncio
 import socket
 import time
 
+import ansible.module_utils.pve_ct as pve_ct
 import pytest
 from pve_fixtures import (
     GPU_NODES,
@@ -381,7 +382,7 @@ def test_a_wrong_totp_code_is_named_as_such(totp_pve, capsys):
 
 
 def test_stale_digest_is_re_read_and_retried_once(running_ct, pve, fakepve_cafile, capsys, monkeypatch):
-    original = pve_lxc.CtRun.read_config
+    original = pve_ct.CtRun.read_config
     races = []
 
     def racing_read(self):
@@ -391,21 +392,21 @@ def test_stale_digest_is_re_read_and_retried_once(running_ct, pve, fakepve_cafil
             running_ct.config["description"] = "edited by someone else"
         return config
 
-    monkeypatch.setattr(pve_lxc.CtRun, "read_config", racing_read)
+    monkeypatch.setattr(pve_ct.CtRun, "read_config", racing_read)
     result = run(pve, fakepve_cafile, capsys, state="started", cores=6)
     assert result["changed"] and not result.get("failed"), result
     assert running_ct.config["cores"] == 6 and running_ct.config["description"] == "edited by someone else"
 
 
 def test_digest_stale_twice_fails_clearly(running_ct, pve, fakepve_cafile, capsys, monkeypatch):
-    original = pve_lxc.CtRun.read_config
+    original = pve_ct.CtRun.read_config
 
     def always_racing(self):
         config = original(self)
         running_ct.config["description"] = f"edit {time.monotonic()}"
         return config
 
-    monkeypatch.setattr(pve_lxc.CtRun, "read_config", always_racing)
+    monkeypatch.setattr(pve_ct.CtRun, "read_config", always_racing)
     result = run(pve, fakepve_cafile, capsys, state="started", cores=6)
     assert (
         result["failed"]

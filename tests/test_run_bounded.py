@@ -17,8 +17,7 @@ import pytest
 from helpers.fixture_state import running
 from pve_fixtures import ROOT, load_file_module, run_module
 
-from module_utils import nvml, run_bounded
-from module_utils import pve as pve_utils
+from module_utils import nvml, pve_session, run_bounded
 
 userspace = load_file_module(
     "nvidia_userspace_facts_bounded", ROOT / "roles/gpu_userspace/library/nvidia_userspace_facts.py"
@@ -174,8 +173,8 @@ def test_hanging_pvesh_read_fails_as_a_pve_error_and_is_killed(hanging, monkeypa
     hanging("pvesh")
     monkeypatch.setenv("PATH", f"{hanging.bindir}:{os.environ['PATH']}")
     began = time.monotonic()
-    with pytest.raises(pve_utils.PveError, match=r"pvesh get /version timed out after 1 s"):
-        pve_utils.connect({"api_backend": "local", "timeout": 1})
+    with pytest.raises(pve_session.PveError, match=r"pvesh get /version timed out after 1 s"):
+        pve_session.connect({"api_backend": "local", "timeout": 1})
     assert time.monotonic() - began < 15
     assert all(gone(pid) for pid in hanging.pids("pvesh"))
 
@@ -190,10 +189,10 @@ def test_a_pvesh_task_that_overruns_is_left_running_not_cut_off(hanging, monkeyp
     )
     pvesh.chmod(0o755)
     monkeypatch.setenv("PATH", f"{hanging.bindir}:{os.environ['PATH']}")
-    api, version = pve_utils.connect({"api_backend": "local", "timeout": 1, "task_timeout": 1})
+    api, version = pve_session.connect({"api_backend": "local", "timeout": 1, "task_timeout": 1})
     assert version == "9.0.10"
     with pytest.raises(
-        pve_utils.PveError, match=r"pvesh create /nodes/pve1/lxc timed out after 1 s; left"
+        pve_session.PveError, match=r"pvesh create /nodes/pve1/lxc timed out after 1 s; left"
     ) as exc:
         api.nodes("pve1").lxc.post(vmid=129, ostemplate="local:vztmpl/x.tar.zst", password="never-shown")
     assert "never-shown" not in str(exc.value)
