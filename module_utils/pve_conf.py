@@ -73,13 +73,13 @@ class ConfigLock:
                     self.handle.close()
                     raise ConfLockError(f"cannot lock {self.path}: {exc}") from None
             if self.clock() >= deadline:
-                holders = lock_holders(self.path)
+                holders = name_holders(self.path)
                 self.handle.close()
                 raise ConfLockError(
                     "timed out after {} s waiting for the config lock of CT {} ({}), held by {}: another "
                     "change to the CT (pct set, a backup, the API) is under way. Re-run once it is done, or "
                     "raise lock_timeout".format(
-                        self.timeout, self.vmid, self.path, describe_holders(holders) or "an unknown process"
+                        self.timeout, self.vmid, self.path, holders
                     )
                 )
             self.sleep(min(delay, max(0.0, deadline - self.clock())))
@@ -92,10 +92,12 @@ class ConfigLock:
 
 
 def lock_holders(path, proc_locks="/proc/locks"):
-    """PIDs that hold a lock on path, from /proc/locks (waiters left out); [] when unknown.
+    """PIDs that took a lock on path, from /proc/locks (waiters left out); [] when unknown.
 
     A /proc/locks line reads `1: FLOCK  ADVISORY  WRITE 4242 fd:01:1835099 0 EOF` (device as hex
-    major:minor, then the inode); a waiting request has `->` after the number.
+    major:minor, then the inode); a waiting request has `->` after the number. For a flock the pid is the
+    process that took the lock: it may have exited since, leaving the lock with a child that inherited the
+    open file (see lock_users).
     """
     try:
         st = os.stat(path)
@@ -122,6 +124,69 @@ def lock_holders(path, proc_locks="/proc/locks"):
             exact.append(int(pid))
     # An overlay or FUSE file system may show another device number than stat(): fall back to the inode.
     return sorted(set(exact or same_inode))
+
+
+def lock_users(path, proc="/proc"):
+    """PIDs whose open file on path carries a granted lock now: the live holders, whoever took the lock.
+
+    The kernel lists a file's locks in /proc/PID/fdinfo/FD (`lock:` lines, Linux >= 4.1) of every process that
+    has that open file, so a child still holding an inherited descriptor is found after its parent exited.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    found = set()
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        fd_dir = f"{proc}/{entry}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                target = os.stat(f"{fd_dir}/{fd}")
+                if (target.st_dev, target.st_ino) != (st.st_dev, st.st_ino):
+                    continue
+                with open(f"{proc}/{entry}/fdinfo/{fd}", encoding="ascii", errors="replace") as handle:
+                    info = handle.read()
+            except OSError:
+                continue
+            if any(line.startswith("lock:") and "->" not in line for line in info.splitlines()):
+                found.add(int(entry))
+    return sorted(found)
+
+
+def alive(pid, proc="/proc"):
+    return os.path.exists(f"{proc}/{pid}")
+
+
+def name_holders(path, proc="/proc", proc_locks="/proc/locks"):
+    """Who holds the lock on path, in words: the live processes that hold it now, and the one that took it
+    when that one has exited.
+
+    >>> name_holders("/nonexistent/lock")
+    'an unknown process'
+    """
+    takers = lock_holders(path, proc_locks)
+    users = lock_users(path, proc)
+    gone = [pid for pid in takers if not alive(pid, proc)]
+    if users:
+        text = describe_holders(users, proc)
+        if gone:
+            text += " (it inherited the lock from pid {}, which took it and has exited)".format(
+                ", ".join(map(str, gone))
+            )
+        return text
+    if takers and not gone:
+        return describe_holders(takers, proc)
+    if gone:
+        return "a process that cannot be seen from here (pid {} took the lock and has exited)".format(
+            ", ".join(map(str, gone))
+        )
+    return "an unknown process"
 
 
 def describe_holders(pids, proc="/proc"):

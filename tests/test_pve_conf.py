@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import doctest
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -284,6 +286,48 @@ def test_module_times_out_on_a_held_lock_naming_the_holder_and_leaves_the_file(t
     holder.wait(timeout=30)
     again = run_module(pve_lxc_raw, raw_args(tmp_path, lock_timeout=1), capsys)
     assert again["changed"] and ALLOW in path.read_text()
+
+
+# The lock is taken by a process that forks and exits: its child, holding the inherited open file, is the holder.
+FORKING_LOCKER = r"""
+import fcntl, os, sys, time
+lock, ready = sys.argv[1:3]
+handle = open(lock, "a")
+fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+pid = os.fork()
+if pid == 0:
+    time.sleep(300)
+    os._exit(0)
+with open(ready + ".tmp", "w") as f:
+    f.write(str(pid))
+os.rename(ready + ".tmp", ready)
+"""
+
+
+def test_the_lock_message_names_the_live_holder_when_the_process_that_took_it_has_exited(tmp_path, capsys):
+    path = conf_dir(tmp_path, PLAIN)
+    (tmp_path / "lock").mkdir()
+    ready = tmp_path / "child.pid"
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_CHILD_SUBREAPER = 36  # the orphaned child comes to this test, which reaps it by PID
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    child = None
+    try:
+        taker = subprocess.Popen(
+            [sys.executable, "-c", FORKING_LOCKER, str(tmp_path / "lock" / "pve-config-129.lock"), str(ready)]
+        )
+        assert taker.wait(timeout=30) == 0
+        child = int(ready.read_text())
+        result = run_module(pve_lxc_raw, raw_args(tmp_path, lock_timeout=1), capsys)
+        msg = result["msg"]
+        assert result["failed"] and f"held by pid {child} ({sys.executable} -c" in msg, msg
+        assert f"it inherited the lock from pid {taker.pid}, which took it and has exited" in msg, msg
+        assert path.read_text() == PLAIN
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def test_check_mode_does_not_wait_for_the_lock(tmp_path, capsys, locker):

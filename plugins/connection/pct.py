@@ -409,7 +409,8 @@ class Connection(ConnectionBase):
         b_in = to_bytes(in_path, errors="surrogate_or_strict")
         if not os.path.exists(b_in):
             raise AnsibleFileNotFound(f"file or module does not exist: {in_path}")
-        # The file itself is the child's stdin: ssh (or pct) reads it in chunks, nothing is held in memory here.
+        # Streamed through a pipe that _run's thread fills from the file in chunks (nothing is held in memory here);
+        # the child never gets the controller's file itself as stdin, so `pct exec` cannot change its permissions.
         with open(b_in, "rb") as f:
             rc, _out, err = self._run(["/bin/sh", "-c", f"cat > {shlex.quote(out_path)}"], f)
         if rc != 0:
