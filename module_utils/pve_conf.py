@@ -76,11 +76,9 @@ class ConfigLock:
                 holders = name_holders(self.path)
                 self.handle.close()
                 raise ConfLockError(
-                    "timed out after {} s waiting for the config lock of CT {} ({}), held by {}: another "
+                    f"timed out after {self.timeout} s waiting for the config lock of CT {self.vmid} ({self.path}), held by {holders}: another "
                     "change to the CT (pct set, a backup, the API) is under way. Re-run once it is done, or "
-                    "raise lock_timeout".format(
-                        self.timeout, self.vmid, self.path, holders
-                    )
+                    "raise lock_timeout"
                 )
             self.sleep(min(delay, max(0.0, deadline - self.clock())))
             delay = min(delay * 2, 0.25)

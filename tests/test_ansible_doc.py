@@ -26,7 +26,7 @@ ANSIBLE_DOC = str(Path(sys.executable).parent / "ansible-doc")
 MODULE_DIRS = ["library", *sorted(str(d.relative_to(ROOT)) for d in ROOT.glob("roles/*/library"))]
 MODULES = sorted(p.stem for d in MODULE_DIRS for p in (ROOT / d).glob("*.py"))
 MODULE_PATH = os.pathsep.join(MODULE_DIRS)
-FILTER_DIRS = sorted(ROOT.glob("roles/*/filter_plugins"))
+FILTER_DIRS = [*sorted(ROOT.glob("roles/*/filter_plugins")), ROOT / "plugins" / "filter"]
 
 # ansible-core's support levels (ansible-test's validate-modules schema).
 SUPPORT = {"full", "partial", "none"}
@@ -78,7 +78,13 @@ def assert_clean(proc: subprocess.CompletedProcess, what: str) -> None:
 
 def test_the_lists_are_not_empty():
     assert len(MODULES) >= 8, MODULES
-    assert {"pve_gpu_devices", "training_summary", "train_input_errors", "seq_len_refusal"} <= set(FILTERS)
+    assert {
+        "pve_gpu_devices",
+        "training_summary",
+        "role_input_errors",
+        "seq_len_refusal",
+        "systemd_arg",
+    } <= set(FILTERS)
 
 
 def test_ansible_doc_reads_every_module_cleanly():

@@ -93,6 +93,11 @@ BAD_TRAIN_INPUTS = [
     ),
     ("eagle3_train_config_dir=etc", "eagle3_train_config_dir=etc is not an absolute path"),
     ("eagle3_train_run_dir=run", "eagle3_train_run_dir=run is not an absolute path"),
+    (
+        '{"eagle3_train_state_dir": "/tmp; rm -rf /"}',
+        'eagle3_train_state_dir=/tmp; rm -rf / holds characters a path here may not have (" ", ";")',
+    ),
+    ("checkpoint_every=-1", "checkpoint_every is not a variable of these playbooks: a trainer setting goes in"),
     ("eagle3_train_data_dir=~/data", "eagle3_train_data_dir=~/data is not an absolute path"),
     (
         "eagle3_train_synth_if_missing=maybe",
@@ -100,13 +105,13 @@ BAD_TRAIN_INPUTS = [
     ),
     (
         '{"eagle3_train_synth_args": "--num-samples 8"}',
-        "eagle3_train_synth_args=--num-samples 8 is not a list of strings; allowed: a list",
+        "eagle3_train_synth_args=--num-samples 8 is not a list; allowed: a list of one command-line argument",
     ),
     ("eagle3_train_venv=venv", "eagle3_train_venv=venv is not an absolute path"),
     ("eagle3_train_venv_provided=2", "eagle3_train_venv_provided=2 is not a boolean"),
     (
         '{"eagle3_train_python": ""}',
-        'eagle3_train_python="" is empty or not a string; allowed: a non-empty string',
+        'eagle3_train_python="" has the wrong form; allowed: a command name found on PATH',
     ),
     (
         "eagle3_train_nproc=0",
@@ -169,6 +174,7 @@ def test_train_names_every_bad_variable_with_its_value_and_what_is_allowed(inven
     assert not missing, f"not reported: {missing}\n{proc.stdout[-6000:]}"
     assert "Nothing was changed" in out and "is stopped" not in proc.stdout
     assert "argument_spec" not in proc.stdout  # the role's messages, not Ansible's spec dump
+    assert out.count("Nothing was changed") == 1  # said once (no [ERROR] block repeating the message)
 
 
 @pytest.mark.parametrize(

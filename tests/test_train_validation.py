@@ -1,5 +1,5 @@
-"""The eagle3_train role's input checks (filter_plugins/train_inputs.py) and the memory planner's verdict on an
-explicit max_seq_len (tasks/plan.yml), without a CT.
+"""The eagle3_train role's input checks (plugins/filter/role_inputs.py, through the inputs role) and the memory
+planner's verdict on an explicit max_seq_len (filter_plugins/train_inputs.py, tasks/plan.yml), without a CT.
 
 The playbook-level cases (train.yml against a missing CT) are in test_playbook_inputs.py; here: the table itself
 (every variable of defaults/main.yml and meta/argument_specs.yml is in it, every default passes it, each kind
@@ -29,6 +29,14 @@ TRAIN_PYTHON = ROOT / ".venv-train" / "bin" / "python"
 spec = importlib.util.spec_from_file_location("train_inputs", ROLE / "filter_plugins" / "train_inputs.py")
 ti = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ti)
+spec = importlib.util.spec_from_file_location("role_inputs", ROOT / "plugins" / "filter" / "role_inputs.py")
+ri = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ri)
+VARIABLES = ri.ROLE_VARIABLES["eagle3_train"]
+
+
+def train_input_errors(values, aliases=None, known=None):
+    return ri.role_input_errors(values, "eagle3_train", aliases, known)
 
 
 def defaults() -> dict:
@@ -37,14 +45,15 @@ def defaults() -> dict:
 
 def test_doctests():
     assert doctest.testmod(ti).failed == 0
+    assert doctest.testmod(ri).failed == 0
 
 
 def test_the_table_knows_exactly_the_role_variables():
     specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"][
         "options"
     ]
-    assert set(ti.VARIABLES) == set(defaults()), "defaults/main.yml and the table differ"
-    assert set(ti.VARIABLES) == set(specs), "meta/argument_specs.yml and the table differ"
+    assert set(VARIABLES) == set(defaults()), "defaults/main.yml and the table differ"
+    assert set(VARIABLES) == set(specs), "meta/argument_specs.yml and the table differ"
 
 
 def test_every_default_passes():
@@ -55,10 +64,10 @@ def test_every_default_passes():
     values["eagle3_train_venv"] = "/opt/eagle3/venv"  # "{{ eagle3_train_prefix }}/venv"
     values["eagle3_train_state_dir"] = "/var/lib/eagle3/run"  # "{{ eagle3_train_run_dir }}"
     values["eagle3_train_nodes"] = ["ct129"]  # "{{ groups['training'] ... }}"
-    assert ti.train_input_errors(values) == []
+    assert train_input_errors(values) == []
 
 
-BOOL_VARS = [n for n, s in ti.VARIABLES.items() if s["kind"] == "bool"]
+BOOL_VARS = [n for n, s in VARIABLES.items() if s["kind"] == "bool"]
 
 
 @pytest.mark.parametrize("name", BOOL_VARS)
@@ -66,14 +75,14 @@ BOOL_VARS = [n for n, s in ti.VARIABLES.items() if s["kind"] == "bool"]
     "value", ["true", "false", "True", "FALSE", "yes", "No", "on", "OFF", "1", "0", True, False, 1, 0]
 )
 def test_boolean_strings_are_accepted(name, value):
-    assert ti.train_input_errors({name: value}) == []
+    assert train_input_errors({name: value}) == []
 
 
 @pytest.mark.parametrize("name", BOOL_VARS)
 @pytest.mark.parametrize("value", ["maybe", "", " true", "2", 2, None, [], "y"])
 def test_non_booleans_are_refused(name, value):
-    (error,) = ti.train_input_errors({name: value})
-    assert error.startswith(f"{name}={ti.show(value)} is not a boolean; allowed: true or false")
+    (error,) = train_input_errors({name: value})
+    assert error.startswith(f"{name}={ri.show(value)} is not a boolean; allowed: true or false")
 
 
 # Bad values per kind: (value, what the line must say after "name=value ").
@@ -83,13 +92,21 @@ BAD = {
     "float": [("lots", "is not a number"), ("nan", "is not a number"), (False, "is not a number"),
               ("-1", "is out of range")],
     "abspath": [("relative/dir", "is not an absolute path"), ("", "is not an absolute path"),
-                (5, "is not an absolute path"), ("~/x", "is not an absolute path")],
-    "str": [("", "is empty or not a string"), ("  ", "is empty or not a string"), (3, "is empty or not a string")],
-    "str_list": [("--a b", "is not a list of strings"), ({"a": 1}, "is not a list of strings"),
-                 ([["x"]], "is not a list of strings")],
+                (5, "is not an absolute path"), ("~/x", "is not an absolute path"),
+                ("/tmp; rm -rf /", "holds characters a path here may not have"),
+                ("/var/../etc", "is not normalised (it would be /etc)")],
+    "command": [("", "has the wrong form"), ("python3; id", "has the wrong form"), (3, "has the wrong form"),
+                ("/usr/../bin/python3", "is not normalised")],
+    "host": [("", "has the wrong form"), ("a b", "has the wrong form"), ("$(id)", "has the wrong form")],
+    "run_id": [("", "has the wrong form"), ("run 1", "has the wrong form"), ("x" * 65, "has the wrong form")],
+    "ifname": [("eth 0", "has the wrong form"), ("x" * 16, "has the wrong form")],
+    "ib_hca": [("mlx5_0;id", "has the wrong form")],
+    "list": [("--a b", "is not a list"), ({"a": 1}, "is not a list"), ([["x"]], "")],
     "int_list": [("10,30", "is not a list of whole numbers"), ([], "is not a list of whole numbers"),
                  ([10, "x"], "is not a list of whole numbers"), ([10, -1], "has a number out of range")],
-    "dict": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping")],
+    "dict": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping"),
+             ({"A B": "x"}, "has the key A B"), ({"X": "a\nY=b"}, "holds a control character")],
+    "trainer_config": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping")],
     "node_rank": [("-1", "is not a node rank"), ("first", "is not a node rank"), (1.5, "is not a node rank")],
     "nproc": [("0", "is not a worker count"), ("many", "is not a worker count"), (-2, "is not a worker count")],
     "seq_len": [("1000", "is not a multiple of 128"), ("0", "is neither a positive multiple of 128 nor"),
@@ -97,7 +114,7 @@ BAD = {
 }  # fmt: skip
 CASES = [
     (name, value, says)
-    for name, entry in ti.VARIABLES.items()
+    for name, entry in VARIABLES.items()
     if entry["kind"] != "bool"
     for value, says in BAD[entry["kind"]]
     if not (entry.get("empty") and value == "")  # "" means "not set" for these
@@ -106,10 +123,19 @@ CASES = [
 
 @pytest.mark.parametrize(("name", "value", "says"), CASES)
 def test_each_bad_value_names_the_variable_the_value_and_what_is_allowed(name, value, says):
-    errors = ti.train_input_errors({name: value})
+    errors = train_input_errors({name: value})
     assert len(errors) == 1, errors
-    assert errors[0].startswith(f"{name}={ti.show(value)} {says}"), errors[0]
-    if ti.VARIABLES[name]["kind"] == "seq_len":
+    # A bad item of a list is named with its index: eagle3_train_synth_args[0]=["x"] ...
+    head = (
+        f"{name}[0]={ri.show(value[0])}"
+        if isinstance(value, list) and VARIABLES[name]["kind"] == "list"
+        else f"{name}={ri.show(value)}"
+    )
+    if VARIABLES[name]["kind"] == "dict" and isinstance(value, dict):  # names the key: eagle3_train_env.X=...
+        assert errors[0].startswith(name) and says in errors[0], errors[0]
+    else:
+        assert errors[0].startswith(f"{head} {says}"), errors[0]
+    if VARIABLES[name]["kind"] == "seq_len":
         assert "128" in errors[0] and "auto" in errors[0]
     else:
         assert "; allowed: " in errors[0]
@@ -127,11 +153,11 @@ def test_each_bad_value_names_the_variable_the_value_and_what_is_allowed(name, v
     ],
 )
 def test_ranges(name, value):
-    errors = ti.train_input_errors({name: value})
+    errors = train_input_errors({name: value})
     if name == "eagle3_train_plan_margin" and value == 0.999:
         assert errors == []
     else:
-        assert len(errors) == 1 and f"{name}={ti.show(value)} is out of range; allowed:" in errors[0]
+        assert len(errors) == 1 and f"{name}={ri.show(value)} is out of range; allowed:" in errors[0]
 
 
 @pytest.mark.parametrize(
@@ -155,11 +181,11 @@ def test_ranges(name, value):
     ],
 )
 def test_good_values_pass(name, value):
-    assert ti.train_input_errors({name: value}) == []
+    assert train_input_errors({name: value}) == []
 
 
 def test_the_role_keys_of_the_trainer_config_are_refused_with_where_they_go():
-    (error,) = ti.train_input_errors({"eagle3_train_config_overrides": {"data_dir": "/x", "lr": 1}})
+    (error,) = train_input_errors({"eagle3_train_config_overrides": {"data_dir": "/x", "lr": 1}})
     assert error.startswith("eagle3_train_config_overrides sets data_dir=/x, which the role sets itself")
     assert "set eagle3_train_data_dir" in error
 
@@ -171,18 +197,18 @@ def test_unknown_names_are_typos_unless_the_defaults_know_them():
         "eagle3_train__msl": "auto",
         "other": 1,
     }
-    errors = ti.train_input_errors(values, known=["eagle3_train_brand_new"])
+    errors = train_input_errors(values, known=["eagle3_train_brand_new"])
     assert errors == [
         "eagle3_train_min_step=3 is not a variable of the eagle3_train role; did you mean eagle3_train_min_steps?"
     ]
 
 
 def test_max_seq_len_is_reported_under_the_name_the_user_set():
-    (error,) = ti.train_input_errors(
+    (error,) = train_input_errors(
         {"eagle3_train_max_seq_len": "24000"}, {"eagle3_train_max_seq_len": "max_seq_len"}
     )
     assert error.startswith("max_seq_len=24000 is not a multiple of 128") and "try 23936 or 24064" in error
-    (error,) = ti.train_input_errors({"eagle3_train_max_seq_len": "x"})
+    (error,) = train_input_errors({"eagle3_train_max_seq_len": "x"})
     assert (
         error.startswith("eagle3_train_max_seq_len=x is neither")
         and "-e eagle3_train_max_seq_len=auto" in error
@@ -379,3 +405,14 @@ def test_planner_json_has_what_the_verdict_reads(planner_target):
         {"max_seq_len": 65536, "predicted_gb": result["table"][0]["predicted_gb"], "fits": False}
     ]
     assert ti.seq_len_refusal(result, 65536).startswith("max_seq_len=65536 does not fit")
+
+
+def test_trainer_settings_are_checked_by_the_trainers_own_declaration_naming_the_variable():
+    errors = train_input_errors(
+        {"eagle3_train_config": {"epochs": 0, "lr": 0.001}, "eagle3_train_config_overrides": {"checkpoint_every": -1,
+         "ttt_step": 3}, "eagle3_train_max_seq_len": "auto"}
+    )  # fmt: skip
+    assert "eagle3_train_config: epochs=0 must be at least 1 (the trainer refuses it)" in errors
+    assert "eagle3_train_config_overrides: checkpoint_every=-1 must be at least 1 (the trainer refuses it)" in errors
+    assert "eagle3_train_config_overrides: ttt_step is not a trainer config key; did you mean ttt_steps?" in errors
+    assert not any("memory" in e or "allow_unplanned" in e for e in errors)  # not the planner's business

@@ -14,6 +14,8 @@ DOCUMENTATION = """
       - A task that waits by polling (the training health check, the root file system build) prints one line per
         poll instead of C(FAILED - RETRYING), because waiting is not failing. The line holds the task's own
         C(progress) text when the module returns one (step, tokens/s, phase), otherwise the seconds waited.
+      - A failure with a message (a refused input, a module's own verdict) is printed once, in the C(fatal) line;
+        ansible-core would print it a second time as an C([ERROR]) block. C(-vvv) shows that block too.
     extends_documentation_fragment:
       - default_callback
       - result_format_callback
@@ -51,6 +53,13 @@ class CallbackModule(DefaultCallback):
     def v2_runner_on_start(self, host, task) -> None:
         self._started[(host.get_name(), str(task._uuid))] = time.monotonic()
         super().v2_runner_on_start(host, task)
+
+    def _handle_exception(self, result, use_stderr: bool = False) -> None:
+        # The fatal line that follows holds the message; the [ERROR] block would repeat it word for word.
+        if result.get("msg") and self._display.verbosity < 3:
+            result.pop("exception", None)
+            return
+        super()._handle_exception(result, use_stderr=use_stderr)
 
     def v2_runner_retry(self, result) -> None:
         started = self._started.get((result.host.get_name(), str(result.task._uuid)), time.monotonic())
