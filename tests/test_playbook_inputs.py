@@ -97,7 +97,10 @@ BAD_TRAIN_INPUTS = [
         '{"eagle3_train_state_dir": "/tmp; rm -rf /"}',
         'eagle3_train_state_dir=/tmp; rm -rf / holds characters a path here may not have (" ", ";")',
     ),
-    ("checkpoint_every=-1", "checkpoint_every is not a variable of these playbooks: a trainer setting goes in"),
+    (
+        "checkpoint_every=-1",
+        "checkpoint_every is not a variable of these playbooks: a trainer setting goes in",
+    ),
     ("eagle3_train_data_dir=~/data", "eagle3_train_data_dir=~/data is not an absolute path"),
     (
         "eagle3_train_synth_if_missing=maybe",

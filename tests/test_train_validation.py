@@ -413,6 +413,12 @@ def test_trainer_settings_are_checked_by_the_trainers_own_declaration_naming_the
          "ttt_step": 3}, "eagle3_train_max_seq_len": "auto"}
     )  # fmt: skip
     assert "eagle3_train_config: epochs=0 must be at least 1 (the trainer refuses it)" in errors
-    assert "eagle3_train_config_overrides: checkpoint_every=-1 must be at least 1 (the trainer refuses it)" in errors
-    assert "eagle3_train_config_overrides: ttt_step is not a trainer config key; did you mean ttt_steps?" in errors
+    assert (
+        "eagle3_train_config_overrides: checkpoint_every=-1 must be at least 1 (the trainer refuses it)"
+        in errors
+    )
+    assert (
+        "eagle3_train_config_overrides: ttt_step is not a trainer config key; did you mean ttt_steps?"
+        in errors
+    )
     assert not any("memory" in e or "allow_unplanned" in e for e in errors)  # not the planner's business
