@@ -76,6 +76,19 @@ options:
     description: A GPU counts as released when its used memory is at most this many MiB.
     type: int
     default: 1024
+  spare_unit:
+    description:
+      - Keep the unit's run going and clean up only what holds a GPU outside it (a foreign holder next to a healthy
+        run). The unit is not stopped and no process of its cgroup is selected. Needs O(unit).
+    type: bool
+    default: false
+  respawn_window:
+    description:
+      - Seconds to watch the devices after anything was signalled. A holder that appears in that time (a loop, a
+        supervisor or a service starting it again) fails the task, named with its parent chain and its systemd
+        unit; it is not killed again. 0 turns the watch off.
+    type: float
+    default: 5
 extends_documentation_fragment:
   - action_common_attributes
 attributes:
@@ -152,6 +165,13 @@ rounds:
   description: Rounds of signalling and re-scanning for respawned or late-forked processes (0 when nothing was signalled).
   returned: always
   type: int
+respawned:
+  description:
+    - Holders that came back within O(respawn_window) after the cleanup ({pid, name, user, paths, cmdline, unit,
+      parents}, parents nearest first as {pid, name, cmdline, unit}); [] when nothing came back.
+  returned: always
+  type: list
+  elements: dict
 holders_after:
   description:
     - Unprotected processes still holding a matching device at the end ({pid, name, user, paths, cmdline,
@@ -252,7 +272,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils import nvml, procs
+from ansible.module_utils import nvml, procs, respawn
 
 D_STATE_HINT = (
     "state D means the process waits inside the kernel (often the NVIDIA driver after an Xid error): "
@@ -287,6 +307,8 @@ def argument_spec() -> dict:
         },
         "gpu_memory_tolerance_mib": {"type": "int", "default": 1024},
         "stop_report": {"type": "str"},
+        "spare_unit": {"type": "bool", "default": False},
+        "respawn_window": {"type": "float", "default": 5.0},
     }
 
 
@@ -304,12 +326,17 @@ def validate(p: dict) -> tuple[procs.Selectors, procs.Budget]:
             raise ValueError(f"path glob {glob!r} must be absolute (for example /dev/nvidia[0-9]*)")
     if p["unit"] is not None and not p["unit"].strip():
         raise ValueError("unit='' is empty; give a unit name such as eagle3-train.service or leave it out")
+    if p["spare_unit"] and not p["unit"]:
+        raise ValueError("spare_unit=true needs the unit whose run it keeps (unit=eagle3-train.service)")
+    if p["respawn_window"] < 0:
+        raise ValueError(f"respawn_window={p['respawn_window']} must be >= 0 seconds (for example 5)")
     selectors = procs.Selectors(
         unit=p["unit"],
         marker=p["marker"],
         devices=p["devices"],
         match_cmdline=procs.compile_patterns(p["match_cmdline"]),
         protect=p["protect"],
+        spare_unit=p["spare_unit"],
     )
     total = p["timeout"] or p["stop_timeout"] + p["term_timeout"] + 4 * p["kill_timeout"]
     return selectors, procs.Budget(
@@ -366,7 +393,14 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
     call_timeout = min(10.0, max(1.0, budget.total / 10))
     before, before_query = measure(call_timeout)
 
-    if selectors.unit and not check_mode:
+    if selectors.unit and selectors.spare_unit:
+        unit = procs.unit_state(selectors.unit)
+        unit.update(
+            stopped=False,
+            spared=True,
+            message=f"{unit.get('message', '')} (kept running: foreign holders only)",
+        )
+    elif selectors.unit and not check_mode:
         stop_bound = min(budget.stop, max(deadline - time.monotonic() - budget.kill, 1.0))
         stop_began = time.time()
         unit = procs.stop_unit(selectors.unit, stop_bound)
@@ -385,6 +419,16 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         self_pid=self_pid,
     )
 
+    # A holder that comes back (a loop, a supervisor, a service restarting it) is named with what starts it.
+    came_back = []
+    if outcome["targets"] and not check_mode and p["respawn_window"] > 0:
+        killed = {(t["pid"], t["start_time"]) for t in outcome["targets"]}
+        window = min(p["respawn_window"], max(deadline - time.monotonic(), 0.0))
+        came_back = respawn.watch(
+            selectors.devices, killed, window, spare_unit=selectors.unit if selectors.spare_unit else None,
+            protect=selectors.protect, self_pid=self_pid,
+        )  # fmt: skip
+
     held = procs.referenced_paths(procs.scan())
     unreferenced, in_use = procs.sweep_candidates(p["sweep"], held)
     removed, sweep_errors = [], []
@@ -398,7 +442,11 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         []
         if check_mode
         else procs.holders(
-            selectors.devices, protect=selectors.protect, self_pid=self_pid, include_protected=True
+            selectors.devices,
+            exclude_unit=selectors.unit if selectors.spare_unit else None,
+            protect=selectors.protect,
+            self_pid=self_pid,
+            include_protected=True,
         )
     )
     holders_after = [h for h in after if not h["protected"]]
@@ -424,6 +472,8 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         "changed": would if check_mode else bool(unit["stopped"] or signalled or removed),
         **outcome,
         "holders_after": holders_after,
+        "respawned": came_back,
+        "respawn_window": p["respawn_window"],
         "protected_holders_after": protected_holders,
         "removed": removed,
         "sweep_in_use": in_use,
@@ -504,6 +554,8 @@ def protected_note(held: list[dict]) -> str:
 def failure(r: dict) -> str | None:
     """The failure message, or None when the GPUs are verified free (or unverifiable but free of holders)."""
     problems = []
+    if r.get("respawned"):
+        problems.append(respawn.describe(r["respawned"], r["respawn_window"]))
     if r["unkillable"]:
         listed = "; ".join(
             f"pid={u['pid']} name={u['name']} state={u['state']} wchan={u['wchan'] or '-'}"
@@ -515,9 +567,12 @@ def failure(r: dict) -> str | None:
             else ("they ignored SIGKILL within the budget; raise timeout/kill_timeout or inspect them")
         )
         problems.append(f"{len(r['unkillable'])} process(es) survived SIGKILL: {listed} ({hint})")
-    if r["holders_after"]:
+    back = {h["pid"] for h in r.get("respawned") or []}
+    if [h for h in r["holders_after"] if h["pid"] not in back]:
         listed = "; ".join(
-            f"pid={h['pid']} name={h['name']} paths={','.join(h['paths'])}" for h in r["holders_after"]
+            f"pid={h['pid']} name={h['name']} paths={','.join(h['paths'])}"
+            for h in r["holders_after"]
+            if h["pid"] not in back
         )
         problems.append(
             f"GPU devices still held: {listed} (not selected or started during the run; add them with "

@@ -87,6 +87,8 @@ class Selectors:
     devices: list[str] = field(default_factory=list)
     match_cmdline: list[re.Pattern] = field(default_factory=list)
     protect: list[str] = field(default_factory=list)
+    # Keep the unit's run: its cgroup's processes are never selected (a cleanup of foreign holders only).
+    spare_unit: bool = False
 
 
 @dataclass
@@ -125,7 +127,10 @@ def select_targets(
         if is_kernel_thread(p) or p.state in EXITED_STATES:
             continue
         why = []
-        if sel.unit and in_unit_cgroup(read_cgroup(p.pid, proc), sel.unit):
+        in_unit = bool(sel.unit) and in_unit_cgroup(read_cgroup(p.pid, proc), sel.unit)
+        if in_unit and sel.spare_unit:
+            continue
+        if in_unit:
             why.append(f"unit:{sel.unit}")
         if marker and marker in read_environ(p.pid, proc):
             why.append(f"marker:{marker}")

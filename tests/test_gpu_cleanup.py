@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 RESULT_KEYS = {
     "changed", "targets", "protected", "terminated", "killed", "unkillable", "zombies", "rounds",
-    "holders_after", "protected_holders_after", "removed", "sweep_in_use", "sweep_errors", "unit", "gpu_memory", "elapsed", "msg",
+    "holders_after", "protected_holders_after", "respawned", "respawn_window", "removed", "sweep_in_use", "sweep_errors", "unit", "gpu_memory", "elapsed", "msg",
 }  # fmt: skip
 
 
@@ -55,6 +55,7 @@ def args(devices, tmp_path):
         "term_timeout": 3,
         "kill_timeout": 3,
         "timeout": 20,
+        "respawn_window": 1,  # the default 5 s, shorter: these helpers come back at once or never
     }
 
 
@@ -332,3 +333,33 @@ def test_a_stop_that_escalated_is_named_in_the_summary(
         assert f"(the stop escalated: {message})" in out["msg"]
     else:
         assert out["unit"]["escalation"] is None and "escalated" not in out["msg"]
+
+
+def test_a_holder_that_comes_back_is_named_with_what_starts_it_and_the_cleanup_fails(
+    jobs, devices, args, capsys
+):
+    # A supervisor (not part of the job: no marker, holds nothing) restarts its GPU-holding worker a second after
+    # each kill, as a `while true` loop or a Restart=always service would.
+    job = jobs.start("--workers", "1", "--hold", devices["nvidia0"], "--respawn", "50", "--respawn-delay", "1",
+                     "--agent-name", "gpu-hogd", marker=None, expect=1)  # fmt: skip
+    first = job.pid("worker0")
+    out = run({**args, "respawn_window": 4}, capsys)
+    assert out["failed"], out
+    assert first in pids(out["targets"])
+    (back,) = out["respawned"]
+    assert back["pid"] != first and back["paths"] == [devices["nvidia0"]]
+    assert back["parents"][0]["pid"] == job.pid("agent") and back["parents"][0]["name"] == "gpu-hogd"
+    msg = out["msg"]
+    assert "a GPU holder came back within 4 s of the cleanup" in msg
+    assert (
+        f"started by its parent pid {job.pid('agent')} gpu-hogd" in msg
+        and "the GPUs were not called free" in msg
+    )
+    assert job.alive("agent")  # what starts it is named, never signalled: it is not the job's
+
+
+def test_a_holder_that_stays_dead_passes_the_respawn_watch(jobs, devices, args, capsys):
+    job = jobs.start("--hold", devices["nvidia0"], marker=None)
+    out = run({**args, "respawn_window": 1}, capsys)
+    assert not out.get("failed"), out["msg"]
+    assert out["respawned"] == [] and pids(out["killed"]) | pids(out["terminated"]) == {job.pid()}

@@ -372,6 +372,7 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "gpu_cleanup_timeout": {"kind": "float", "min": 1.0},
         "gpu_cleanup_gpu_memory_tolerance_mib": {"kind": "int", "min": 0},
         "gpu_cleanup_respawn_window": {"kind": "float", "min": 0.0},
+        "gpu_cleanup_spare_unit": {"kind": "bool"},
     },
     "run_lock": {
         "run_lock_path": {"kind": "abspath"},

@@ -147,6 +147,7 @@ def agent(args) -> None:
         index = workers.pop(pid, None)
         if index is not None and restarts > 0:
             restarts -= 1
+            time.sleep(args.respawn_delay)  # a supervisor's restart delay (the cleanup's re-scan misses it)
             workers[spawn_worker(args, index)] = index
 
 
@@ -170,6 +171,7 @@ def main() -> None:
     ap.add_argument("--grandchild", action="store_true", help="each worker forks a renamed child")
     ap.add_argument("--forward-term", action="store_true", help="agent forwards SIGTERM to workers")
     ap.add_argument("--respawn", type=int, default=0, help="agent restarts a dead worker up to N times")
+    ap.add_argument("--respawn-delay", type=float, default=0.0, help="seconds before a respawn")
     ap.add_argument("--agent-name", help="rename the agent")
     ap.add_argument("--pidfile")
     ap.add_argument("--ready")
