@@ -94,6 +94,11 @@ run:
       description: A running trainer has not reported for several expected step intervals.
       type: bool
       returned: always
+    workers:
+      description: The run's worker count as the unit starts it (torchrun's --nproc-per-node times --nnodes); null
+        when the unit is not installed.
+      type: int
+      returned: always
 status:
   description: The trainer's last status.json ({} when there is none).
   type: dict
@@ -137,7 +142,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.procs import holders
 from ansible.module_utils.restart_backoff import STATE_FILE as BACKOFF_FILE
 from ansible.module_utils.restart_backoff import read_state
-from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state
+from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state, unit_workers
 
 LAST_STOP_FILE = "last-stop.json"  # written by eagle3.launch when a stop had to SIGKILL workers
 
@@ -172,7 +177,9 @@ def main():
         backoff,
         started_at(unit),
         time.time(),
+        status_file=status_path(p["run_dir"]),
     )
+    run["workers"] = unit_workers(unit)  # what the unit starts, not what the last status happened to say
     last_stop = read_status(os.path.join(state_dir, LAST_STOP_FILE))
     if last_stop and status and float(last_stop.get("time") or 0) < float(status.get("updated") or 0):
         last_stop = None  # a stop before the current run's last report: not news any more

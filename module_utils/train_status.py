@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 # The trainer's exit codes as the unit sees them. training/eagle3/errors.py is the source; this copy (the target
@@ -27,7 +28,25 @@ UNIT_PROPERTIES = (
     "NRestarts",
     "ExecMainStartTimestampMonotonic",
     "InvocationID",
+    "ExecStart",
 )
+
+
+def unit_workers(unit: dict) -> int | None:
+    """The run's worker count as the unit starts it: torchrun's --nproc-per-node times --nnodes (None: unknown).
+
+    >>> unit_workers({"ExecStart": "{ path=/v/bin/python ; argv[]=/v/bin/python -m torch.distributed.run --nnodes=2 "
+    ...                             "--nproc-per-node=8 -m eagle3 train ; ignore_errors=no }"})
+    16
+    >>> unit_workers({"ExecStart": ""}) is None
+    True
+    """
+    text = unit.get("ExecStart") or ""
+    per_node = re.search(r"--nproc[-_]per[-_]node[= ](\d+)", text)
+    nodes = re.search(r"--nnodes[= ](\d+)", text)
+    if not per_node:
+        return None
+    return int(per_node.group(1)) * (int(nodes.group(1)) if nodes else 1)
 
 
 def read_status(path: str) -> dict | None:
@@ -156,6 +175,33 @@ RUN_STATES = ("running", "starting", "stopped", "finished", "failed", "crash-loo
 STALL_FACTOR, STALL_FLOOR_S = 3.0, 120.0
 
 
+# A trainer writes its first status.json within seconds of its start (phase starting): past this, its absence is news.
+STATUS_EXPECTED_WITHIN_S = 120.0
+
+
+def missing_status(status: dict | None, path: str, started_at: float, now: float) -> str:
+    """What the lack of a fresh status.json means, from the evidence: none yet, none at all, or an old one.
+
+    >>> missing_status(None, "/r/status.json", 100, 130)
+    'no status from this run yet (started 30 s ago)'
+    >>> missing_status({"updated": 50}, "/r/status.json", 100, 400)
+    '/r/status.json was last written 50 s before this start (the unit has run for 300 s without updating it)'
+    """
+    ran = max(now - started_at, 0.0) if started_at else 0.0
+    where = path or "status.json"
+    if status is not None and status.get("updated"):
+        before = max(started_at - float(status["updated"]), 0.0)
+        if ran > STATUS_EXPECTED_WITHIN_S:
+            return f"{where} was last written {before:.0f} s before this start (the unit has run for {ran:.0f} s without updating it)"
+        return f"no status from this run yet (started {ran:.0f} s ago; {where} is from the run before)"
+    if ran > STATUS_EXPECTED_WITHIN_S:
+        return (
+            f"no {where} although the unit has run for {ran:.0f} s (the trainer writes it at every logged step: was "
+            "the run folder removed or replaced?)"
+        )
+    return f"no status from this run yet (started {ran:.0f} s ago)"
+
+
 def stall_after(status: dict) -> float | None:
     """Seconds without a status update after which a running trainer counts as stalled (None: no step time yet).
 
@@ -190,7 +236,14 @@ def expected_update_interval(status: dict) -> float | None:
     return step * max(int(status.get("log_every") or 1), 1)
 
 
-def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at: float, now: float) -> dict:
+def run_state(
+    status: dict | None,
+    unit: dict,
+    backoff: dict | None,
+    started_at: float,
+    now: float,
+    status_file: str = "",
+) -> dict:
     """The run as one state, with the reason and what a person should look at.
 
     ``unit`` is ``systemctl show`` (ActiveState, SubState, Result, NRestarts); ``backoff`` the unit's restart
@@ -210,6 +263,13 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
     >>> run_state(None, {"ActiveState": "activating", "SubState": "start-pre"},
     ...           {"failures": 2, "last_exit": {"reason": "oom", "message": "CUDA out of memory"}}, 0, 1)["state"]
     'crash-looping'
+    >>> r = run_state(None, {"ActiveState": "activating", "SubState": "auto-restart"},
+    ...               {"failures": 1, "last_exit": {"reason": "hang", "message": "no step for 90 s"}}, 0, 1)
+    >>> r["state"], r["detail"]  # one failed run is not a loop
+    ('starting', 'restarting after one failed run (hang: no step for 90 s), with its back-off delay')
+    >>> run_state(None, {"ActiveState": "active", "SubState": "running"}, {}, started_at=50, now=650,
+    ...           status_file="/run/status.json")["detail"]
+    'no /run/status.json although the unit has run for 600 s (the trainer writes it at every logged step: was the run folder removed or replaced?)'
     >>> run_state({"phase": "stopped", "step": 30, "updated": 90}, {"ActiveState": "inactive", "Result": "success"},
     ...           {}, started_at=50, now=100)["state"]
     'stopped'
@@ -228,13 +288,20 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
         reason = f"{last.get('reason')}: {last.get('message', '')}".rstrip(": ")
     out = {"state": "", "reason": reason, "detail": "", "stalled": False}
 
-    if (
+    restarting = (
         active in ("activating", "active")
         and failures > 0
         and (sub in ("auto-restart", "start-pre") or not fresh)
-    ):
+    )
+    if restarting and failures >= 2:
         out["state"] = "crash-looping"
-        out["detail"] = f"{failures} failed run(s) in a row; restarting with a growing delay"
+        out["detail"] = f"{failures} failed runs in a row; restarting with a growing delay"
+        return out
+    if restarting:
+        out["state"] = "starting"
+        out["detail"] = (
+            f"restarting after one failed run ({reason or 'reason unknown'}), with its back-off delay"
+        )
         return out
     if active in ("active", "deactivating") and err:
         # The trainer has reported its failure; the launcher is still collecting the other ranks.
@@ -247,7 +314,9 @@ def run_state(status: dict | None, unit: dict, backoff: dict | None, started_at:
         return out
     if active == "active" and not (fresh and s.get("phase") in ("training", "validating", "checkpointing")):
         out["state"] = "starting"
-        out["detail"] = f"phase {s.get('phase')}" if fresh else "no status from this run yet"
+        out["detail"] = (
+            f"phase {s.get('phase')}" if fresh else missing_status(status, status_file, started_at, now)
+        )
         return out
     if active == "active" and not s.get("step_time_s"):
         out["state"] = "starting"

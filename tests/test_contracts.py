@@ -61,7 +61,9 @@ def test_the_unit_and_the_role_use_the_restart_records_one_name():
         "roles/eagle3_train/tasks/service.yml",
     ):
         text = (ROOT / path).read_text()
-        named = set(re.findall(r"(?:run_dir|state_dir) \}\}/([\w.-]+\.json)", text)) - {"status.json"}
+        named = set(re.findall(r"(?:run_dir|state_dir)(?: \}\}| ~ ')/([\w.-]+\.json)", text)) - {
+            "status.json"
+        }
         assert restart_backoff.STATE_FILE in named, f"{path} names {named}"
         assert named <= {restart_backoff.STATE_FILE, launch.LAST_STOP_FILE}, f"{path} names {named}"
 

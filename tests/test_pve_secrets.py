@@ -174,7 +174,7 @@ def test_the_training_env_file_is_0600_and_its_content_never_shows_in_diff(tmp_p
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     written = tmp_path / "eagle3-train.env"
-    assert f"HF_TOKEN={token}" in written.read_text()
+    assert f'HF_TOKEN="{token}"' in written.read_text()  # quoted for systemd (env_file_value)
     assert stat.S_IMODE(written.stat().st_mode) == 0o600
     assert token not in proc.stdout + proc.stderr
 

@@ -93,9 +93,10 @@ def test_status_without_report_renders_nothing(target, tmp_path):
 def test_status_rejects_a_report_value_that_is_not_a_boolean(target, tmp_path):
     proc = run_status(target, "report=maybe")
     assert proc.returncode != 0
-    assert "Invalid input: report=maybe; allowed: true/false/yes/no/on/off/1/0" in proc.stdout, proc.stdout[
-        -3000:
-    ]
+    assert (
+        "report=maybe is not a boolean; allowed: true or false (also yes/no, on/off, 1/0, any case)"
+        in proc.stdout
+    ), proc.stdout[-3000:]
     assert not (tmp_path / "run" / "report.png").exists()
 
 

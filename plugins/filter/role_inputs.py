@@ -476,6 +476,7 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
 # Variables a role sets itself (register, set_fact) under its prefix: never inputs, never typos.
 ROLE_FACTS: dict[str, tuple[str, ...]] = {
     "gpu_cleanup": ("gpu_cleanup_result",),
+    "ct_running": ("ct_running_stopped", "ct_running_stopped_status"),
     "run_lock": (
         "run_lock_controller",
         "run_lock_lease",

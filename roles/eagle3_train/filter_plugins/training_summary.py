@@ -58,6 +58,34 @@ def _acceptance(status: dict) -> str:
     return f"acceptance length {_f(value, '.2f')} (val, step {step if step is not None else '?'})"
 
 
+def _workers(run: dict, status: dict) -> str:
+    """The worker count the unit starts (the status file's may be a failed start's), or the status's, or '?'.
+
+    >>> _workers({"workers": 16}, {"world_size": 1}), _workers({}, {"world_size": 2}), _workers({}, {})
+    ('16 workers', '2 workers (from status.json)', '? workers')
+    """
+    if run.get("workers"):
+        return f"{run['workers']} workers"
+    if status.get("world_size"):
+        return f"{status['world_size']} workers (from status.json)"
+    return "? workers"
+
+
+def _previous(status: dict) -> str:
+    """The last real step of the run before, when this start has done none.
+
+    >>> _previous({"step": 0, "previous_run": {"step": 40, "epoch": 1, "phase": "stopped"}})
+    '; no step in this start yet (the run before reached step 40, epoch 1, and ended stopped)'
+    >>> _previous({"step": 12, "previous_run": {"step": 40}})
+    ''
+    """
+    prev = status.get("previous_run") or {}
+    if status.get("step") or not prev.get("step"):
+        return ""
+    ended = prev.get("error_kind") or prev.get("phase") or "?"
+    return f"; no step in this start yet (the run before reached step {prev['step']}, epoch {prev.get('epoch', 0)}, and ended {ended})"
+
+
 def _node_line(n: dict, nodes: list) -> str:
     ranks = n.get("ranks") or []
     span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else (str(ranks[0]) if ranks else "?")
@@ -126,7 +154,7 @@ def training_summary(
 
     Rates and ETA are shown only while the run is running: a stopped or failed run has none.
 
-    >>> report = {"run": {"state": "running", "reason": "", "detail": "", "stalled": False},
+    >>> report = {"run": {"state": "running", "reason": "", "detail": "", "stalled": False, "workers": 2},
     ...           "unit": {"ActiveState": "active", "SubState": "running", "NRestarts": "0"},
     ...           "status": {"phase": "training", "step": 12, "world_size": 2, "max_seq_len": 16384,
     ...                      "step_time_s": 1.5, "tokens_per_s": 20000, "tokens_per_s_per_rank": 10000,
@@ -134,7 +162,8 @@ def training_summary(
     ...                      "resumed_from_step": 10, "last_checkpoint_step": 10, "last_checkpoint_time": 1000}}
     >>> training_summary(report, [], now=1075)[:5]
     ['state: running; eagle3-train.service active (running), restarts 0; 2 workers, max_seq_len 16384', 'step 12 (epoch 0), resumed from step 10; last checkpoint step 10 (1m15s ago)', '1.50 s/step (fetch ?, fwd ?, bwd ?, opt ?)', '20,000 tokens/s, 10,000 per worker; peak memory 1.40 GB (rss)', 'loss 3.2000, full_acc_0 0.410; ETA 1h02m']
-    >>> report["run"] = {"state": "failed", "reason": "oom: CUDA out of memory", "detail": "unit failed (result exit-code)"}
+    >>> report["run"] = {"state": "failed", "reason": "oom: CUDA out of memory", "detail": "unit failed (result exit-code)",
+    ...                  "workers": 2}
     >>> training_summary(report, [], now=1075)[:3]
     ['state: failed (unit failed (result exit-code)); eagle3-train.service active (running), restarts 0; 2 workers, max_seq_len 16384', 'reason: oom: CUDA out of memory', 'step 12 (epoch 0), resumed from step 10; last checkpoint step 10 (1m15s ago)']
     """
@@ -147,7 +176,7 @@ def training_summary(
     detail = f" ({run['detail']})" if run.get("detail") else ""
     lines = [
         f"state: {state}{detail}; {unit_name} {u.get('ActiveState', '?')} ({u.get('SubState', '?')}), "
-        f"restarts {u.get('NRestarts', '?')}; {s.get('world_size', '?')} workers, max_seq_len {s.get('max_seq_len', '?')}"
+        f"restarts {u.get('NRestarts', '?')}; {_workers(run, s)}, max_seq_len {s.get('max_seq_len', '?')}"
     ]
     if run.get("reason") and state != "running":
         lines.append(f"reason: {run['reason']}")
@@ -161,7 +190,12 @@ def training_summary(
         if s.get("last_checkpoint_step") is not None:
             when = f" ({_ago(now - s['last_checkpoint_time'])})" if s.get("last_checkpoint_time") else ""
             ckpt = f"; last checkpoint step {s['last_checkpoint_step']}{when}"
-        lines.append(f"step {s['step']} (epoch {s.get('epoch', 0)}){resumed}{ckpt}")
+        lines.append(f"step {s['step']} (epoch {s.get('epoch', 0)}){resumed}{ckpt}{_previous(s)}")
+    for skipped in s.get("skipped_checkpoints") or []:
+        moved = f"; moved aside to {skipped['moved_to']}" if skipped.get("moved_to") else "; left in place"
+        lines.append(
+            f"skipped corrupt checkpoint {skipped.get('name', '?')}: {skipped.get('reason', '?')}{moved}"
+        )
     if state == "running" and run.get("stalled"):
         lines.append(
             f"no current rate while stalled (the last steps ran at {_f(s.get('tokens_per_s'), ',.0f')} tokens/s, "
@@ -208,6 +242,44 @@ def training_summary(
     return lines
 
 
+def stopped_summary(last: dict | None, vmid, pct_status: str = "", now=None) -> list[str]:
+    """The state line of a stopped CT, with what the controller last saw of its run (nothing inside can be read).
+
+    >>> stopped_summary({"seen": 1000, "status": {"step": 40, "last_checkpoint_step": 40, "last_checkpoint_time": 990},
+    ...                  "run": {"state": "running"}}, 129, "status: stopped", now=1600)
+    ... # doctest: +NORMALIZE_WHITESPACE
+    ['state: stopped (CT 129: status: stopped); nothing in it runs or holds a GPU',
+     'last checkpoint step 40 (10m10s ago), as reported while it ran, 10m00s ago (state running, step 40)',
+     'when the CT starts, the enabled unit resumes from its newest checkpoint']
+    >>> stopped_summary({}, 129, now=1)[1]
+    'no report of its run on this controller (status.yml or train.yml saw it running never, or elsewhere)'
+    """
+    import time
+
+    now = time.time() if now is None else now
+    lines = [
+        f"state: stopped (CT {vmid}{': ' + pct_status if pct_status else ''}); nothing in it runs or holds a GPU"
+    ]
+    s, run = (last or {}).get("status") or {}, (last or {}).get("run") or {}
+    if not last or not last.get("seen"):
+        lines.append(
+            "no report of its run on this controller (status.yml or train.yml saw it running never, or elsewhere)"
+        )
+        return lines
+    seen = f"as reported while it ran, {_ago(now - float(last['seen']))} (state {run.get('state', '?')}, step {s.get('step', '?')})"
+    if s.get("last_checkpoint_step") is not None:
+        when = f" ({_ago(now - s['last_checkpoint_time'])})" if s.get("last_checkpoint_time") else ""
+        lines.append(f"last checkpoint step {s['last_checkpoint_step']}{when}, {seen}")
+    else:
+        lines.append(f"no checkpoint yet, {seen}")
+    lines.append("when the CT starts, the enabled unit resumes from its newest checkpoint")
+    return lines
+
+
 class FilterModule:
     def filters(self):
-        return {"training_summary": training_summary, "run_summary": run_summary}
+        return {
+            "training_summary": training_summary,
+            "run_summary": run_summary,
+            "stopped_summary": stopped_summary,
+        }
