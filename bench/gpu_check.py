@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "training"))
 sys.path.insert(0, str(ROOT / "module_utils"))
+sys.path.insert(0, str(ROOT))  # module_utils.procs, as proc_stop imports it outside Ansible
 
 # Before CUDA initialises (docs/facts.md#memory-and-flex-attention).
 for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
@@ -136,12 +137,15 @@ def run_cleanup_module(marker: str) -> dict:
         }
         result, failure = module.run(params, check_mode=False, self_pid=os.getpid())
         return {"via": "library/gpu_cleanup.py run()", "result": result, "failure": failure}
+    import proc_stop
     import procs
 
-    outcome = procs.terminate(
-        procs.Selectors(marker=marker), procs.Budget(term=5, kill=5, stop=5, total=60), self_pid=os.getpid()
+    outcome = proc_stop.terminate(
+        procs.Selectors(marker=marker),
+        proc_stop.Budget(term=5, kill=5, stop=5, total=60),
+        self_pid=os.getpid(),
     )
-    return {"via": "module_utils/procs.terminate", "result": outcome, "failure": None}
+    return {"via": "module_utils/proc_stop.terminate", "result": outcome, "failure": None}
 
 
 def section_cleanup(dry_run: bool) -> dict:

@@ -272,7 +272,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils import nvml, procs, respawn
+from ansible.module_utils import nvml, proc_stop, procs, respawn
 
 D_STATE_HINT = (
     "state D means the process waits inside the kernel (often the NVIDIA driver after an Xid error): "
@@ -312,9 +312,9 @@ def argument_spec() -> dict:
     }
 
 
-def validate(p: dict) -> tuple[procs.Selectors, procs.Budget]:
+def validate(p: dict) -> tuple[procs.Selectors, proc_stop.Budget]:
     """Turn options into selectors and a budget; ValueError (naming the value) before anything is touched."""
-    procs.check_timeouts({k: p[k] for k in ("stop_timeout", "term_timeout", "kill_timeout", "timeout")})
+    proc_stop.check_timeouts({k: p[k] for k in ("stop_timeout", "term_timeout", "kill_timeout", "timeout")})
     if p["marker"] is not None:
         procs.parse_marker(p["marker"])
     if p["gpu_memory_tolerance_mib"] < 0:
@@ -339,7 +339,7 @@ def validate(p: dict) -> tuple[procs.Selectors, procs.Budget]:
         spare_unit=p["spare_unit"],
     )
     total = p["timeout"] or p["stop_timeout"] + p["term_timeout"] + 4 * p["kill_timeout"]
-    return selectors, procs.Budget(
+    return selectors, proc_stop.Budget(
         term=p["term_timeout"], kill=p["kill_timeout"], stop=p["stop_timeout"], total=total
     )
 
@@ -361,7 +361,9 @@ def verify_memory(before_query: dict, tolerance: int, deadline: float, call_time
         return dict(status, status="unverified", message=before_query["error"])
     interval = 0.2
     while True:
-        after, query = measure(min(call_timeout, max(deadline - time.monotonic(), 0.5)))
+        # One reading always gets its full call timeout (a loaded host starts nvidia-smi slowly); the deadline
+        # bounds how long readings are repeated.
+        after, query = measure(call_timeout)
         status["after"] = after
         if after is None:
             reason = query["error"] or "no GPU reported"
@@ -394,7 +396,7 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
     before, before_query = measure(call_timeout)
 
     if selectors.unit and selectors.spare_unit:
-        unit = procs.unit_state(selectors.unit)
+        unit = proc_stop.unit_state(selectors.unit)
         unit.update(
             stopped=False,
             spared=True,
@@ -403,18 +405,18 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
     elif selectors.unit and not check_mode:
         stop_bound = min(budget.stop, max(deadline - time.monotonic() - budget.kill, 1.0))
         stop_began = time.time()
-        unit = procs.stop_unit(selectors.unit, stop_bound)
+        unit = proc_stop.stop_unit(selectors.unit, stop_bound)
         unit["escalation"] = stop_escalation(p["stop_report"], stop_began)
     elif selectors.unit:
-        unit = procs.unit_state(selectors.unit)
+        unit = proc_stop.unit_state(selectors.unit)
     else:
         unit = {"state": "none", "stopped": False, "message": "no unit given"}
     unit["name"] = selectors.unit
 
     remaining = max(deadline - time.monotonic(), 0.1)
-    outcome = procs.terminate(
+    outcome = proc_stop.terminate(
         selectors,
-        procs.Budget(term=budget.term, kill=budget.kill, stop=budget.stop, total=remaining),
+        proc_stop.Budget(term=budget.term, kill=budget.kill, stop=budget.stop, total=remaining),
         check_mode=check_mode,
         self_pid=self_pid,
     )
@@ -429,11 +431,11 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
             protect=selectors.protect, self_pid=self_pid,
         )  # fmt: skip
 
-    held = procs.referenced_paths(procs.scan())
-    unreferenced, in_use = procs.sweep_candidates(p["sweep"], held)
+    held = proc_stop.referenced_paths(procs.scan())
+    unreferenced, in_use = proc_stop.sweep_candidates(p["sweep"], held)
     removed, sweep_errors = [], []
     for path in unreferenced:
-        error = None if check_mode else procs.remove_path(path)
+        error = None if check_mode else proc_stop.remove_path(path)
         (sweep_errors if error else removed).append(error or path)
 
     # Protected holders (nvidia-persistenced, ...) are never signalled and do not fail the cleanup, but they still

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ansible.module_utils import procs as module_procs
+from ansible.module_utils import proc_stop as module_proc_stop
 from ansible.module_utils.testing import patch_module_args
 from helpers import jobs as job_fixtures
 
@@ -242,7 +242,7 @@ def test_unkillable_process_fails_with_list_and_hint(jobs, devices, args, capsys
     # Stand-in for a process in D state: SIGKILL never reaches it (dropped here), and its state reads D.
     job = jobs.start("--hold", devices["nvidia0"], "--ignore-term", "--name", "pt_stuck")
     stuck = job.roles["main"]
-    real_send, real_describe = module_procs.send_signal, module_procs.describe
+    real_send, real_describe = module_proc_stop.send_signal, module_proc_stop.describe
 
     def send(identity, sig, proc="/proc"):
         return "sent" if identity == stuck and sig == signal.SIGKILL else real_send(identity, sig, proc)
@@ -250,8 +250,8 @@ def test_unkillable_process_fails_with_list_and_hint(jobs, devices, args, capsys
     def describe(identity, proc="/proc"):
         return dict(real_describe(identity, proc), state="D", wchan="nv_wait_event")
 
-    monkeypatch.setattr(module_procs, "send_signal", send)
-    monkeypatch.setattr(module_procs, "describe", describe)
+    monkeypatch.setattr(module_proc_stop, "send_signal", send)
+    monkeypatch.setattr(module_proc_stop, "describe", describe)
     out = run(dict(args, term_timeout=0.3, kill_timeout=0.3, timeout=5), capsys)
     assert out["failed"] is True and out["elapsed"] < 30  # gives up at the budget, never hangs
     assert out["unkillable"] == [
@@ -288,7 +288,7 @@ def test_gpu_memory_that_stays_high_fails(jobs, devices, args, capsys, fake_smi)
     fake_smi("busy")
     jobs.start("--hold", devices["nvidia0"])
     out = run(dict(args, kill_timeout=1), capsys)
-    assert out["failed"] is True and out["gpu_memory"]["status"] == "failed"
+    assert out.get("failed") is True and out["gpu_memory"]["status"] == "failed", out["gpu_memory"]["message"]
     assert "GPU 1: 40754.0 MiB" in out["msg"]
 
 
@@ -325,7 +325,7 @@ def test_a_stop_that_escalated_is_named_in_the_summary(
         report.write_text(json.dumps({"message": message, "time": when}))
         return {"state": "active", "stopped": True, "message": f"stopped {unit} (was active)"}
 
-    monkeypatch.setattr(gpu_cleanup.procs, "stop_unit", stop_unit)
+    monkeypatch.setattr(gpu_cleanup.proc_stop, "stop_unit", stop_unit)
     out = run(dict(args, unit="eagle3-test.service", stop_report=str(report)), capsys)
     assert "failed" not in out, out["msg"]
     if written_during_the_stop:

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from helpers import jobs as job_fixtures
 
-from module_utils import procs
+from module_utils import proc_stop, procs
 
 MARKER = job_fixtures.MARKER
 jobs = job_fixtures.jobs  # pytest fixtures: started helpers are reaped by identity
 devices = job_fixtures.devices
 
 
-FAST = procs.Budget(term=3, kill=3, stop=1, total=20)
+FAST = proc_stop.Budget(term=3, kill=3, stop=1, total=20)
 
 
 def test_docstring_examples_hold():
@@ -125,19 +125,21 @@ def test_never_touches_self_ancestors_or_own_process_group(jobs):
 def test_send_signal_refuses_a_reused_pid(jobs):
     job = jobs.start(marker=None)
     pid, start = job.roles["main"]
-    assert procs.send_signal((pid, start + 1), signal.SIGKILL) == "reused"
+    assert proc_stop.send_signal((pid, start + 1), signal.SIGKILL) == "reused"
     assert job.alive()
     with pytest.raises(ValueError, match="refusing to signal pid 1"):
-        procs.send_signal((1, 0), signal.SIGTERM)
-    assert procs.send_signal((pid, start), signal.SIGKILL) == "sent"
+        proc_stop.send_signal((1, 0), signal.SIGTERM)
+    assert proc_stop.send_signal((pid, start), signal.SIGKILL) == "sent"
     job.popen.wait(timeout=5)
-    assert procs.send_signal((pid, start), signal.SIGKILL) == "gone"
+    assert proc_stop.send_signal((pid, start), signal.SIGKILL) == "gone"
 
 
 def test_term_honouring_job_stops_with_term_alone_and_saves(jobs, devices, tmp_path):
     job = jobs.start("--hold", devices["nvidia0"], "--on-term-write", str(tmp_path / "ckpt"))
     started = time.monotonic()
-    out = procs.terminate(sel(devices, marker=MARKER), procs.Budget(term=60, kill=3, stop=1, total=120))
+    out = proc_stop.terminate(
+        sel(devices, marker=MARKER), proc_stop.Budget(term=60, kill=3, stop=1, total=120)
+    )
     assert time.monotonic() - started < 20  # polled, not slept for the 60 s grace
     assert out["terminated"] == [job.pid()] and out["killed"] == [] and out["unkillable"] == []
     assert (tmp_path / f"ckpt.main.{job.pid()}").read_text() == "checkpoint\n"
@@ -146,7 +148,7 @@ def test_term_honouring_job_stops_with_term_alone_and_saves(jobs, devices, tmp_p
 def test_term_ignoring_job_is_killed_after_the_grace_period(jobs, devices):
     job = jobs.start("--hold", devices["nvidia1"], "--ignore-term")
     started = time.monotonic()
-    out = procs.terminate(sel(devices), procs.Budget(term=1, kill=3, total=20))
+    out = proc_stop.terminate(sel(devices), proc_stop.Budget(term=1, kill=3, total=20))
     elapsed = time.monotonic() - started
     assert out["killed"] == [job.pid()] and out["terminated"] == []
     assert 1.0 <= elapsed < 15  # KILL after the 1 s grace, long before the 20 s budget
@@ -158,7 +160,7 @@ def test_respawned_workers_are_caught_by_the_rescan(jobs, devices):
     tree = jobs.start(
         "--workers", "2", "--respawn", "6", "--ignore-term", "--hold", devices["nvidia0"], expect=3
     )
-    out = procs.terminate(sel(devices, marker=MARKER), procs.Budget(term=0.3, kill=3, total=20))
+    out = proc_stop.terminate(sel(devices, marker=MARKER), proc_stop.Budget(term=0.3, kill=3, total=20))
     assert out["unkillable"] == []
     assert not tree.alive("agent")
     for pid, start in tree.all_identities():
@@ -167,14 +169,14 @@ def test_respawned_workers_are_caught_by_the_rescan(jobs, devices):
 
 
 def _running(pid, start):
-    return procs.is_running((pid, start))
+    return proc_stop.is_running((pid, start))
 
 
 def test_zombie_is_reported_without_hanging(jobs, devices):
     job = jobs.start("--hold", devices["nvidia0"], "--zombie", "--ignore-term", expect=2)
     zombie = job.pid("zombie")
     started = time.monotonic()
-    out = procs.terminate(sel(devices), procs.Budget(term=0.5, kill=3, total=60))
+    out = proc_stop.terminate(sel(devices), proc_stop.Budget(term=0.5, kill=3, total=60))
     assert time.monotonic() - started < 20  # the zombie is not waited for (budget 60 s)
     assert out["killed"] == [job.pid()]
     assert zombie in {z["pid"] for z in out["zombies"]}
@@ -183,7 +185,7 @@ def test_zombie_is_reported_without_hanging(jobs, devices):
 
 def test_check_mode_signals_nothing(jobs, devices):
     job = jobs.start("--hold", devices["nvidia0"])
-    out = procs.terminate(sel(devices), FAST, check_mode=True)
+    out = proc_stop.terminate(sel(devices), FAST, check_mode=True)
     assert [t["pid"] for t in out["targets"]] == [job.pid()]
     assert out["terminated"] == out["killed"] == []
     assert job.alive()
@@ -200,12 +202,12 @@ def test_sweep_keeps_files_a_live_process_still_uses(jobs, tmp_path):
     (shm / "unrelated").write_text("x")
     jobs.start("--hold", str(shm / "nccl-mapped"), "--map-only", marker=None)
     jobs.start("--hold", str(shm / "torchelastic_live" / "attempt_0"), marker=None)
-    free, busy = procs.sweep_candidates(
-        [f"{shm}/nccl-*", f"{shm}/torchelastic_*"], procs.referenced_paths(procs.scan())
+    free, busy = proc_stop.sweep_candidates(
+        [f"{shm}/nccl-*", f"{shm}/torchelastic_*"], proc_stop.referenced_paths(procs.scan())
     )
     assert free == [f"{shm}/nccl-stale", f"{shm}/torchelastic_old"]
     assert busy == [f"{shm}/nccl-mapped", f"{shm}/torchelastic_live"]
-    assert [procs.remove_path(p) for p in free] == [None, None]
+    assert [proc_stop.remove_path(p) for p in free] == [None, None]
     assert sorted(p.name for p in shm.iterdir()) == ["nccl-mapped", "torchelastic_live", "unrelated"]
 
 
@@ -215,7 +217,7 @@ def test_bad_selectors_are_rejected_with_the_value():
     with pytest.raises(ValueError, match=r"regex '\(' is invalid"):
         procs.compile_patterns(["("])
     with pytest.raises(ValueError, match="term_timeout=-1 must be a positive"):
-        procs.check_timeouts({"term_timeout": -1})
+        proc_stop.check_timeouts({"term_timeout": -1})
 
 
 FAKE_SYSTEMCTL = """#!/bin/sh
@@ -252,11 +254,11 @@ def test_stop_unit_through_systemctl(
     monkeypatch.setenv("STOP_DELAY", delay)
     monkeypatch.setenv("LOG", str(tmp_path / "log"))
     started = time.monotonic()
-    out = procs.stop_unit("eagle3-train.service", 1.0, systemctl=str(fake), run_dir=str(run_dir))
+    out = proc_stop.stop_unit("eagle3-train.service", 1.0, systemctl=str(fake), run_dir=str(run_dir))
     assert time.monotonic() - started < 20  # bounded at 1 s, never the 60 s a hung stop takes
     assert (out["state"], out["stopped"]) == (expect_state, expect_stopped)
     assert ("stop eagle3-train.service" in (tmp_path / "log").read_text()) == stop_called
-    no_systemd = procs.stop_unit(
+    no_systemd = proc_stop.stop_unit(
         "eagle3-train.service", 1.0, systemctl=str(fake), run_dir=str(tmp_path / "none")
     )
     assert no_systemd["state"] == "no-systemd"
