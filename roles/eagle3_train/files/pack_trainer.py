@@ -10,6 +10,7 @@ import io
 import os
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 
@@ -23,10 +24,18 @@ def pack(training_dir: str, out: str) -> str:
             tar.addfile(info, io.BytesIO(data))
     blob = buf.getvalue()
     if not os.path.exists(out) or Path(out).read_bytes() != blob:
-        tmp = out + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, out)
+        # A temporary name of its own: two plays packing at once (two scenarios, two inventories) never share one.
+        fd, tmp = tempfile.mkstemp(
+            prefix=".eagle3-trainer.", suffix=".tmp", dir=os.path.dirname(os.path.abspath(out))
+        )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     return hashlib.sha256(blob).hexdigest()
 
 
