@@ -53,7 +53,9 @@ CASES += [
     for dtype in ("fp32", "bf16")
     for ckpt in (False, True)
 ]
-CASES += [("h96", 768, "fp32", True), ("h128", 768, "bf16", False), ("kimi-eighth", 512, "bf16", True)]
+# kimi-eighth with full checkpointing runs in fp32: a CPU without AVX-512 BF16 multiplies bf16 ~40x slower than
+# fp32 (minutes per case); its bf16 accounting is covered by the selective case below and the smaller bf16 cases.
+CASES += [("h96", 768, "fp32", True), ("h128", 768, "bf16", False), ("kimi-eighth", 512, "fp32", True)]
 # selective activation checkpointing: the step's matmul outputs held, the rest recomputed
 CASES += [("h96", 768, "fp32", "selective"), ("h128-gqa", 768, "bf16", "selective")]
 CASES += [("kimi-eighth", 512, "bf16", "selective")]
