@@ -19,6 +19,8 @@ EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_OOM, EXIT_HANG, EXIT_STORAGE = 0, 1, 2, 3
 NO_RESTART_EXITS = (EXIT_CONFIG, EXIT_OOM, EXIT_STORAGE)
 # The trainer's error kinds for a checkpoint folder that refuses writes (eagle3.errors.STORAGE_KINDS' values).
 STORAGE_ERROR_KINDS = ("disk_full", "read_only", "no_permission")
+# The exits the unit never restarts (RestartPreventExitStatus): a restart would fail the same way.
+NO_RESTART_KINDS = ("config", "oom", *STORAGE_ERROR_KINDS)
 
 UNIT_PROPERTIES = (
     "ActiveState",
@@ -273,6 +275,13 @@ def run_state(
     >>> run_state({"phase": "stopped", "step": 30, "updated": 90}, {"ActiveState": "inactive", "Result": "success"},
     ...           {}, started_at=50, now=100)["state"]
     'stopped'
+    >>> r = run_state(None, {"ActiveState": "failed", "Result": "exit-code", "NRestarts": "0"},
+    ...               {"failures": 2, "last_exit": {"reason": "read_only", "message": "... read-only (EROFS ..."}}, 0, 1)
+    >>> r["state"], r["detail"]  # two failures in a row, but the unit stopped at a no-restart exit: no start limit
+    ('failed', 'stopped without a restart: a restart cannot fix read_only')
+    >>> run_state(None, {"ActiveState": "failed", "Result": "exit-code"},
+    ...           {"failures": 3, "last_exit": {"reason": "crash", "message": "exit status 1"}}, 0, 1)["detail"]
+    'gave up: the unit hit its start limit after 3 failed run(s) in a row'
     """
     active, sub = unit.get("ActiveState", ""), unit.get("SubState", "")
     result = unit.get("Result", "")
@@ -308,7 +317,7 @@ def run_state(
         out["state"] = "failed"
         out["detail"] = "the run is ending" + (
             "; the unit restarts it from the last checkpoint"
-            if err.get("kind") not in ("config", "oom", *STORAGE_ERROR_KINDS)
+            if err.get("kind") not in NO_RESTART_KINDS
             else "; the unit does not restart it"
         )
         return out
@@ -342,7 +351,11 @@ def run_state(
         return out
     if active == "failed" or (active == "inactive" and result not in ("", "success")):
         out["state"] = "failed"
-        if result == "start-limit-hit" or failures > 1:
+        kind = (err or {}).get("kind") or last.get("reason")
+        if kind in NO_RESTART_KINDS and result != "start-limit-hit":
+            # RestartPreventExitStatus: the unit stopped at the first such exit, whatever failed before it.
+            out["detail"] = f"stopped without a restart: a restart cannot fix {kind}"
+        elif result == "start-limit-hit" or failures > 1:
             # systemd stops restarting at StartLimitBurst=; the unit then reads failed (result exit-code or
             # start-limit-hit) after several failed runs in a row.
             out["detail"] = f"gave up: the unit hit its start limit after {failures} failed run(s) in a row"

@@ -41,6 +41,9 @@ def test_launch_maps_every_error_kind_with_its_own_exit_code():
         **dict.fromkeys(errors.STORAGE_KINDS.values(), errors.EXIT_STORAGE),
     } == launch.EXIT_BY_ERROR_KIND
     assert set(train_status.STORAGE_ERROR_KINDS) == set(errors.STORAGE_KINDS.values())
+    # status's "stopped without a restart" kinds are exactly those whose exit the unit never restarts
+    no_restart = {k for k, code in launch.EXIT_BY_ERROR_KIND.items() if code in train_status.NO_RESTART_EXITS}
+    assert set(train_status.NO_RESTART_KINDS) == no_restart
 
 
 def test_the_unit_never_restarts_exactly_the_exits_a_restart_cannot_fix():
