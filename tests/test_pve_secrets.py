@@ -191,6 +191,8 @@ def be_a_target(monkeypatch):
     monkeypatch.setattr(_internal, "is_controller", False)
 
 
+# urllib3's own InsecureRequestWarning is what validate_certs=false means; the test asks for the module's warning.
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
 def test_certificate_checks_switched_off_are_said_out_loud(pve, capsys, be_a_target):
     args = dict(api_args(pve, None, validate_certs=False), **ct_spec(state="present"))
     args.pop("ca_path")
