@@ -46,6 +46,6 @@ ensure_venv .venv "$controller_py" requirements/controller.txt
 
 train_py=$(find_python 11 11 "${train_candidates[@]}") || die "no Python 3.11 found for the trainer (torch 2.13.0 wheel). Install one (pyenv install 3.11, or apt install python3.11-venv) or set EAGLE3_TRAIN_PYTHON=/path/to/python3.11"
 say "training Python: $train_py"
-ensure_venv .venv-train "$train_py" requirements/train.txt
+ensure_venv .venv-train "$train_py" requirements/train.txt requirements/train-nodeps.txt
 
 say "done: ansible-core $(.venv/bin/python -c 'from ansible.release import __version__; print(__version__)'), torch $(.venv-train/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null)"

@@ -24,6 +24,7 @@ import yaml
 
 from eagle3.errors import ConfigError
 from eagle3.options import PACKINGS, check_attention, checkpoint_mode
+from eagle3.rope import normalize_rope_scaling
 
 # flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
 SEQ_BLOCK = 128
@@ -223,6 +224,21 @@ class TrainConfig:
     norm_before_residual: bool = option(
         False, "the decoder layer's residual is the normed hidden half (vLLM assumes true when absent)"
     )
+    # The verifier's rotary embedding and norm epsilon (a drafter is served with the verifier's positions).
+    rope_theta: float = option(
+        0.0, "rotary base; 0: the dataset's target config (`eagle3 generate` records it), else 10000",
+        bound=NON_NEGATIVE,
+    )  # fmt: skip
+    rope_scaling: dict = field(
+        default_factory=dict,
+        metadata=about(
+            "rotary scaling as a Hugging Face config writes it ({rope_type: yarn|llama3|linear, factor: ...}); "
+            "{}: the dataset's target config, else none; {rope_type: default}: none"
+        ),
+    )
+    rms_norm_eps: float = option(
+        0.0, "RMSNorm epsilon; 0: the dataset's target config, else 1e-6", bound=NON_NEGATIVE
+    )
     init_from: str = option(
         "", "a speculators-format drafter directory (an export) to start from; empty: random initialisation"
     )
@@ -251,7 +267,7 @@ class KeySpec:
     """The declaration of one key, as coercion, validation, --help and the README read it."""
 
     name: str
-    kind: object  # int, float, bool, str or list[str]
+    kind: object  # int, float, bool, str, list[str] or dict
     default: object
     help: str
     choices: tuple[str, ...]
@@ -277,7 +293,7 @@ class KeySpec:
         return self.fix(value) if callable(self.fix) else self.fix
 
 
-TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", bool | str: "bool|str"}
+TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", bool | str: "bool|str", dict: "mapping"}
 
 
 def _specs() -> dict[str, KeySpec]:
@@ -322,6 +338,8 @@ def format_default(value: object) -> str:
         return '""'
     if isinstance(value, list):
         return "[" + ", ".join(value) + "]"
+    if isinstance(value, dict):
+        return json.dumps(value) if value else "{}"
     return str(value)
 
 
@@ -399,6 +417,12 @@ def coerce_value(key: str, value: object) -> object:
             if not isinstance(value, str | int | float):
                 raise TypeError
             return str(value)
+        if kind is dict:
+            if value is None:
+                return {}
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise TypeError
+            return dict(value)
         if kind == list[str]:
             if value is None:
                 return []
@@ -415,6 +439,7 @@ def coerce_value(key: str, value: object) -> object:
         float: "a number",
         str: "a string",
         bool | str: "false, selective or full",
+        dict: "a mapping",
     }.get(kind, "a list of strings")
     raise ConfigError(f"{key}={raw!r} is not {type_name}; set {key} to {type_name}")
 
@@ -499,6 +524,8 @@ def validate(cfg: TrainConfig) -> None:
             fix = spec.fix_for(value)
             raise ConfigError(f"{message}; {fix}" if fix else message)
     check_attention(cfg.attention, cfg.device)  # device: cpu written out; auto is checked once resolved
+    if cfg.rope_scaling:
+        normalize_rope_scaling(cfg.rope_scaling, "rope_scaling")
 
 
 # ------------------------------------------------------------------------------------- help and README

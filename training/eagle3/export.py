@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from eagle3 import __version__
 from eagle3.errors import ConfigError, DataError
 from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.rope import normalize_rope_scaling
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -96,7 +97,14 @@ def speculators_config(
             "num_hidden_layers": 1,
             "hidden_act": "silu",
             "rms_norm_eps": cfg.rms_norm_eps,
+            # transformers 5 and 4 spell the rotary settings differently; both are written, and agree.
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": cfg.rope_theta,
+                **(cfg.rope_scaling or {}),
+            },
             "rope_theta": cfg.rope_theta,
+            **({"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {}),
             "max_position_embeddings": max_position_embeddings,
             "vocab_size": cfg.target_vocab_size,
             "attention_bias": False,
@@ -197,6 +205,13 @@ TOP_LEVEL_FIELDS = {
     "norm_output", "embed_requires_grad", "enable_sp_ulysses", "eagle_aux_hidden_state_layer_ids",
     "torch_dtype", "dtype", "transformers_version", "speculators_version", "eagle3_pve",
 }  # fmt: skip
+# What transformers' save_pretrained adds (PretrainedConfig's own attributes, and auto_map for a config class kept
+# beside the weights): read by name and ignored, because none of them changes the drafter's logits.
+TOP_LEVEL_IGNORED = {
+    "auto_map", "_name_or_path", "model_type", "chunk_size_feed_forward", "id2label", "label2id",
+    "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+}  # fmt: skip
 # transformer_layer_config (an HF LlamaConfig, `to_diff_dict` or full): the fields read below, and the ones
 # that only matter for training or generation and cannot change the drafter's logits.
 LAYER_FIELDS = {
@@ -205,6 +220,8 @@ LAYER_FIELDS = {
     "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "attention_bias", "mlp_bias",
     "tie_word_embeddings", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
     "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id", "eos_token_id", "pad_token_id",
+    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
+    "output_hidden_states", "problem_type", "return_dict",
 }  # fmt: skip
 # Fields whose value this drafter fixes: anything else is refused with the field's name.
 LAYER_FIXED = {
@@ -223,37 +240,23 @@ def _refuse_unknown(fields, known, where: str, source: str) -> None:
         )
 
 
-def _rope_theta(layer: dict, source: str) -> float:
-    """rope_theta from `transformer_layer_config.rope_theta` (transformers 4.x) or
-    `transformer_layer_config.rope_parameters.rope_theta` (transformers 5); both present must agree.
-    Rotary scaling (rope_scaling, or rope_parameters.rope_type other than "default") is refused by name."""
-    params = layer.get("rope_parameters")
-    thetas = {}
+def _rope(layer: dict, source: str) -> tuple[float, dict | None]:
+    """rope_theta and the rotary scaling of transformer_layer_config: transformers 4 writes `rope_theta` and
+    `rope_scaling`, transformers 5 `rope_parameters` (theta and scaling in one mapping); where both are present
+    they must agree. The scaling is what eagle3.rope honours (linear, llama3, yarn); anything else is refused."""
+    thetas, scalings = {}, {}
     if layer.get("rope_theta") is not None:
         thetas["transformer_layer_config.rope_theta"] = float(layer["rope_theta"])
-    if params is not None:
-        if not isinstance(params, dict):
-            raise ConfigError(
-                f"{source}: transformer_layer_config.rope_parameters={params!r} is not a mapping"
-            )
-        _refuse_unknown(
-            params, {"rope_type", "rope_theta"}, "transformer_layer_config.rope_parameters", source
-        )
-        if params.get("rope_type", "default") != "default":
-            raise ConfigError(
-                f"{source}: transformer_layer_config.rope_parameters.rope_type={params['rope_type']!r}; "
-                "this drafter implements only unscaled rotary embeddings (rope_type 'default')"
-            )
-        if params.get("rope_theta") is not None:
-            thetas["transformer_layer_config.rope_parameters.rope_theta"] = float(params["rope_theta"])
-    scaling = layer.get("rope_scaling")
-    if scaling is not None and (
-        not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "default"
-    ):
-        raise ConfigError(
-            f"{source}: transformer_layer_config.rope_scaling={scaling!r}; this drafter implements only unscaled "
-            "rotary embeddings (rope_scaling null or rope_type 'default')"
-        )
+    for key in ("rope_parameters", "rope_scaling"):
+        value = layer.get(key)
+        if value is None:
+            continue
+        where = f"{source}: transformer_layer_config.{key}"
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}={value!r} is not a mapping")
+        if value.get("rope_theta") is not None:
+            thetas[f"transformer_layer_config.{key}.rope_theta"] = float(value["rope_theta"])
+        scalings[f"transformer_layer_config.{key}"] = normalize_rope_scaling(value, where)
     if not thetas:
         raise ConfigError(
             f"{source}: no rope_theta: set transformer_layer_config.rope_theta or "
@@ -261,7 +264,10 @@ def _rope_theta(layer: dict, source: str) -> float:
         )
     if len(set(thetas.values())) > 1:
         raise ConfigError(f"{source}: rope_theta disagrees between {thetas}")
-    return next(iter(thetas.values()))
+    distinct = {json.dumps(v, sort_keys=True) for v in scalings.values()}
+    if len(distinct) > 1:
+        raise ConfigError(f"{source}: the rotary scaling disagrees between {scalings}")
+    return next(iter(thetas.values())), next(iter(scalings.values()), None)
 
 
 def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig:
@@ -274,7 +280,12 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
         raise ConfigError(
             f"{source}: speculators_model_type={config.get('speculators_model_type')!r}, expected 'eagle3'"
         )
-    _refuse_unknown(config, TOP_LEVEL_FIELDS, "the top level", source)
+    _refuse_unknown(config, TOP_LEVEL_FIELDS | TOP_LEVEL_IGNORED, "the top level", source)
+    for key in ("tie_word_embeddings",):
+        if config.get(key, False) is not False:
+            raise ConfigError(
+                f"{source}: {key}={config[key]!r}; an EAGLE-3 drafter's lm_head (draft vocabulary) is its own"
+            )
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError(f"{source}: transformer_layer_config is missing or not a mapping")
@@ -319,6 +330,7 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
             f"{source}: target_hidden_size={config['target_hidden_size']} != transformer_layer_config.hidden_size="
             f"{hidden}; this drafter's fc maps 3 x hidden_size (the verifier's) to hidden_size"
         )
+    rope_theta, rope_scaling = _rope(layer, source)
     values = dict(
         hidden_size=hidden,
         num_heads=heads,
@@ -328,7 +340,8 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
         target_vocab_size=layer["vocab_size"],
         aux_layer_ids=tuple(config["eagle_aux_hidden_state_layer_ids"]),
         rms_norm_eps=layer["rms_norm_eps"],
-        rope_theta=_rope_theta(layer, source),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         norm_before_fc=config.get("norm_before_fc", False),
         fc_norm=config.get("fc_norm", False),
         norm_output=config.get("norm_output", False),

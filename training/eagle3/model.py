@@ -44,6 +44,7 @@ from eagle3.attention import TTTAttention, validate_document_ids
 from eagle3.errors import ConfigError, DataError
 from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
 from eagle3.options import SHAPE_KEYS, checkpoint_mode
+from eagle3.rope import normalize_rope_scaling, rope_cos_sin
 
 STAT_KEYS = (
     "loss_sum",
@@ -70,6 +71,8 @@ class DrafterConfig:
     aux_layer_ids: tuple[int, ...]
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # The verifier's rotary scaling (eagle3.rope: linear, llama3, yarn), canonical; None: unscaled.
+    rope_scaling: dict | None = None
     norm_before_fc: bool = False
     # Grouped-query attention: key/value heads, a divisor of num_heads (None: num_heads, plain multi-head).
     num_kv_heads: int | None = None
@@ -195,6 +198,7 @@ class DrafterConfig:
             raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} must be positive, for example 1e-6")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta={self.rope_theta} must be positive, for example 10000.0")
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
 
 
 class RMSNorm(nn.Module):
@@ -214,21 +218,6 @@ class RMSNorm(nn.Module):
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """Linear with the input cast to the weight dtype (frozen heads may be bf16 while activations are fp32)."""
     return layer(x.to(layer.weight.dtype))
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama (NeoX-style, rotate-half) rotary tables in fp32: cos, sin [S, head_dim].
-
-    >>> cos, sin = rope_cos_sin(torch.tensor([0, 1]), 4, 10000.0)
-    >>> cos[0].tolist(), [round(v, 4) for v in sin[1].tolist()]
-    ([1.0, 1.0, 1.0, 1.0], [0.8415, 0.01, 0.8415, 0.01])
-    """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [S, hd/2]
-    angles = torch.cat([freqs, freqs], dim=-1)  # [S, hd]
-    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -506,7 +495,9 @@ class Eagle3Drafter(nn.Module):
             if step and self.cfg.norm_output:  # EAGLE 3.1: a later step reads the post-norm hidden state
                 hidden = self.norm(hidden)
             token_ids = shift_tokens(input_ids, step + 1)  # [S]
-            cos, sin = rope_cos_sin(base_positions + step, self.cfg.head_dim, self.cfg.rope_theta)  # [S, hd]
+            cos, sin = rope_cos_sin(
+                base_positions + step, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling
+            )  # [S, hd]
             args = (hidden, token_ids, cos, sin, list(keys), list(values), attn)
             if mode != "none" and torch.is_grad_enabled():
                 if mode == "selective":

@@ -64,6 +64,7 @@ from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
 from eagle3.nodes import NODE_ROWS, gather_hosts, node_fields, own_column
 from eagle3.observe import Observer, ProgressLine
 from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
+from eagle3.rope import normalize_rope_scaling
 from eagle3.standin import hold_standin_device
 from eagle3.watchdog import Watchdog, fault_hang_step, injected_hang
 
@@ -135,8 +136,28 @@ def apply_memory_limit(limit_gb: float, device: torch.device) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
+def verifier_settings(cfg: TrainConfig, index_meta: dict) -> dict:
+    """rope_theta, rope_scaling and rms_norm_eps: the config's where set, else the dataset's recorded target config
+    (index.json's `target_config`, written by `eagle3 generate`), else the Llama defaults.
+
+    >>> verifier_settings(TrainConfig(), {})
+    {'rope_theta': 10000.0, 'rope_scaling': None, 'rms_norm_eps': 1e-06}
+    >>> target = {"rope_theta": 500000.0, "rms_norm_eps": 1e-05, "rope_scaling": {"rope_type": "linear", "factor": 2}}
+    >>> verifier_settings(TrainConfig(rope_theta=1e6), {"target_config": target})
+    {'rope_theta': 1000000.0, 'rope_scaling': {'rope_type': 'linear', 'factor': 2.0}, 'rms_norm_eps': 1e-05}
+    >>> verifier_settings(TrainConfig(rope_scaling={"rope_type": "default"}), {"target_config": target})["rope_scaling"]
+    """
+    target = index_meta.get("target_config") or {}
+    return {
+        "rope_theta": float(cfg.rope_theta or target.get("rope_theta") or 10000.0),
+        "rope_scaling": normalize_rope_scaling(cfg.rope_scaling or target.get("rope_scaling") or None),
+        "rms_norm_eps": float(cfg.rms_norm_eps or target.get("rms_norm_eps") or 1e-6),
+    }
+
+
 def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
-    """The drafter's shape: sizes from the dataset index, heads/MLP from the config or derived (0 = derive)."""
+    """The drafter's shape: sizes from the dataset index, heads/MLP from the config or derived (0 = derive); rope
+    and norm epsilon as the verifier's (verifier_settings)."""
     return DrafterConfig.from_shapes(
         index.hidden_size,
         index.draft_vocab_size,
@@ -150,6 +171,7 @@ def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
         fc_norm=cfg.fc_norm,
         norm_output=cfg.norm_output,
         norm_before_residual=cfg.norm_before_residual,
+        **verifier_settings(cfg, index.meta),
     )
 
 

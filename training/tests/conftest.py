@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Nothing here may reach the network: transformers and huggingface_hub read local folders only (a missing file is an
+# error, never a download).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 from eagle3.model import DrafterConfig, Eagle3Drafter
 
 

@@ -76,7 +76,7 @@ def test_dump_round_trips(tmp_path):
 def test_every_key_is_declared_with_help_and_a_type():
     for spec in config.SPECS.values():
         assert spec.help and "\n" not in spec.help, spec.name
-        assert spec.type_name in ("int", "float", "bool", "str", "bool|str", "list"), spec.name
+        assert spec.type_name in ("int", "float", "bool", "str", "bool|str", "list", "mapping"), spec.name
         assert not (spec.choices and spec.bound), f"{spec.name}: choices or a bound, not both"
     assert set(config.SPECS) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert config.CHOICES["device"] == ("auto", "cpu", "cuda")

@@ -216,19 +216,36 @@ def test_export_writes_a_complete_config_and_refuses_an_unknown_verifier(tmp_pat
             lambda c: c["transformer_layer_config"].update(
                 rope_scaling={"rope_type": "llama3", "factor": 8.0}
             ),
-            "transformer_layer_config.rope_scaling=.*llama3.*unscaled",
+            "transformer_layer_config.rope_scaling: rope_type 'llama3' needs low_freq_factor",
         ),
         (
             lambda c: c["transformer_layer_config"].update(
                 rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}
             ),
-            "rope_parameters.rope_type='yarn'",
+            "rope_parameters: rope_type 'yarn' needs factor",
         ),
         (
             lambda c: c["transformer_layer_config"].update(rope_parameters={"rope_theta": 5e5}),
             "rope_theta disagrees",
         ),
-        (lambda c: c["transformer_layer_config"].pop("rope_theta"), "no rope_theta"),
+        (
+            lambda c: [c["transformer_layer_config"].pop(k) for k in ("rope_theta", "rope_parameters")],
+            "no rope_theta",
+        ),
+        (
+            lambda c: c["transformer_layer_config"].update(
+                rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+            ),
+            "rope_scaling.rope_type='dynamic' is not supported",
+        ),
+        (
+            lambda c: c["transformer_layer_config"].update(
+                rope_scaling={"rope_type": "linear", "factor": 2.0},
+                rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
+            ),
+            "rotary scaling disagrees",
+        ),
+        (lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings=True"),
         (lambda c: c.update(target_hidden_size=128), "target_hidden_size=128"),
         (lambda c: c.update(fc_norm="yes"), "fc_norm='yes' must be true or false"),
         (
@@ -247,6 +264,7 @@ def test_import_refuses_unknown_and_unsupported_fields_by_name(tmp_path, make_mo
 def test_import_reads_rope_theta_in_either_layout(tmp_path, make_model):
     config = _exported_config(tmp_path, make_model)
     layer = config["transformer_layer_config"]
+    del layer["rope_parameters"]  # transformers 4 layout
     layer["rope_theta"] = 500000.0
     assert _load_with(tmp_path, config).cfg.rope_theta == 500000.0
     del layer["rope_theta"]
