@@ -17,6 +17,8 @@ plan   ...                                        memory planner (eagle3.plan)
 export RUN_DIR OUT_DIR [--checkpoint best|latest|PATH]   speculators format for vLLM
 import SRC OUT --target-weights PATH [--draft-vocab N]   from the speculators offline layout
 report RUN_DIR [RUN_DIR ...] -o report.png|report.html   plots of one run, or several compared
+generate OUT_DIR --target DIR --data FILE [...]   training data from a local Hugging Face target (resumable)
+tiny-target OUT_DIR [--steps N]                   train the tiny Llama target on the Python stdlib's sources
 
 `python -m eagle3 COMMAND --help` lists every option of a command with its type, default and meaning.
 """
@@ -216,6 +218,18 @@ def cmd_import(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_generate(argv: list[str]) -> int:
+    from eagle3.generate import main as generate_main
+
+    return generate_main(argv)
+
+
+def cmd_tiny_target(argv: list[str]) -> int:
+    from eagle3.tiny_target import main as tiny_main
+
+    return tiny_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -233,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest)
     commands = {
         "synth": cmd_synth, "plan": cmd_plan, "export": cmd_export, "import": cmd_import, "report": cmd_report,
+        "generate": cmd_generate, "tiny-target": cmd_tiny_target,
     }  # fmt: skip
     if command not in commands:
         print(

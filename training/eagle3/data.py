@@ -525,6 +525,17 @@ class DatasetWriter:
         if self._pending_tokens >= self.shard_tokens:
             self._flush()
 
+    def adopt_shards(self, shards: list[dict]) -> None:
+        """Take shards written elsewhere (eagle3.generate writes its own, resumably): [{file, first_sample,
+        lengths}] in sample order, numbered from sample 0 without gaps; `finish` then indexes them."""
+        expected = 0
+        for shard in shards:
+            if shard["first_sample"] != expected or not (self.root / shard["file"]).is_file():
+                raise DataError(f"{self.root}: shard {shard['file']} is missing or out of order")
+            expected += len(shard["lengths"])
+        self.shards = list(shards)
+        self.num_samples = expected
+
     def _flush(self) -> None:
         if not self._pending_lengths:
             return

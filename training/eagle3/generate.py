@@ -1,0 +1,422 @@
+"""`python -m eagle3 generate`: the training data, from the target itself.
+
+A Hugging Face causal LM read from a local folder (`from_pretrained` on a path; never the hub) runs over a local
+dataset, and what an EAGLE-3 drafter learns from is written straight into the native format (eagle3.data):
+
+- the tokens, through the target's chat template when the data is a conversation, and the loss mask on the
+  assistant turns (each turn's tokens found by rendering the conversation up to it and through it);
+- the hidden states entering the aux layers (EAGLE-3's low, middle and high: by default 2, n/2 and n-3 of n
+  layers, as speculators and vLLM number them: layer i's input) and the last hidden state before the final norm;
+- the draft vocabulary (t2d/d2t) from the counts of supervised tokens, the target's embedding, final norm and head;
+- the target's config (name, architecture, hidden size, rope, norm epsilon) in index.json, which the trainer's
+  drafter and the export take the verifier's values from.
+
+Input: JSONL with `messages` ([{role, content}], the OpenAI layout) or `conversations` ([{from, value}], ShareGPT:
+human/gpt/system), or `text` (all of it supervised); or a plain-text file, one sample per paragraph (blank-line
+separated), all supervised.
+
+Resumable: samples are written in shards of `--shard-samples`, each to a temporary name and renamed when complete,
+in an order fixed by the input; a restart (after kill -9 too) keeps every complete shard and writes the rest, so no
+sample is lost or doubled. index.json comes last. Under torchrun each rank writes the shards n with
+n % world_size == rank; rank 0 writes the index when all are there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.errors import ConfigError, DataError
+
+SHARD_NAME = "shards/shard_{:05d}.safetensors"
+PLAN_FILE = "generate_plan.json"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's aux layers for an n-layer target: low, middle and high (speculators' and vLLM's default).
+
+    >>> default_aux_layers(32), default_aux_layers(61), default_aux_layers(8)
+    ((2, 16, 29), (2, 30, 58), (2, 4, 5))
+    """
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def read_records(path: Path) -> list[dict]:
+    """The samples of a JSONL or plain-text file as records: {"messages": [...]} or {"text": "..."}."""
+    if not path.is_file():
+        raise DataError(f"generate: {path} does not exist")
+    records: list[dict] = []
+    if path.suffix in (".jsonl", ".json"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not JSON ({e})") from e
+            records.append(_record(row, f"{path}:{n}"))
+    else:
+        records = [{"text": p.strip()} for p in path.read_text().split("\n\n") if p.strip()]
+    if not records:
+        raise DataError(f"generate: {path} holds no samples")
+    return records
+
+
+def _record(row: object, where: str) -> dict:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a sample must be a JSON object with messages, conversations or text")
+    if "messages" in row or "conversations" in row:
+        turns = row.get("messages", row.get("conversations"))
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{where}: messages must be a non-empty list of turns")
+        messages = []
+        for turn in turns:
+            if not isinstance(turn, dict):
+                raise DataError(f"{where}: a turn must be an object ({turn!r})")
+            role = turn.get("role", SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()))
+            content = turn.get("content", turn.get("value"))
+            if role not in ("system", "user", "assistant") or not isinstance(content, str):
+                raise DataError(
+                    f"{where}: turn {turn!r} needs role system/user/assistant (or from human/gpt/system) and "
+                    "a string content (or value)"
+                )
+            messages.append({"role": role, "content": content})
+        return {"messages": messages}
+    if isinstance(row.get("text"), str):
+        return {"text": row["text"]}
+    raise DataError(f"{where}: no messages, conversations or text in {sorted(row)}")
+
+
+def tokenize(record: dict, tokenizer, max_len: int, where: str = "") -> Sample:
+    """Tokens and loss mask of one record: a conversation through the chat template, the assistant turns
+    supervised; plain text all supervised. Truncated to `max_len` tokens."""
+    if "text" in record:
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"][:max_len]
+        return Sample(ids, [1] * len(ids))
+    messages = record["messages"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "generate: the target's tokenizer has no chat template, and the data are conversations; "
+            "give text samples instead, or a target with a chat template"
+        )
+
+    def render(turns, prompt: bool) -> list[int]:
+        out = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt, return_dict=True)
+        return list(out["input_ids"])
+
+    ids = render(messages, False)
+    mask = [0] * len(ids)
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = render(messages[:i], True)
+        through = render(messages[: i + 1], False)
+        if ids[: len(through)] != through or through[: len(before)] != before:
+            raise DataError(
+                f"generate: {where}: the chat template does not render a conversation as the concatenation of "
+                "its turns, so the assistant tokens cannot be found; give text samples instead"
+            )
+        for j in range(len(before), len(through)):
+            mask[j] = 1
+    return Sample(ids[:max_len], mask[:max_len])
+
+
+def build_plan(records: list[dict], tokenizer, max_len: int) -> list[Sample]:
+    samples = []
+    for n, record in enumerate(records):
+        sample = tokenize(record, tokenizer, max_len, f"sample {n}")
+        if sum(sample.loss_mask) and len(sample.input_ids) >= 2:
+            samples.append(sample)
+    if not samples:
+        raise DataError("generate: no sample has a supervised token (an assistant turn, or text)")
+    return samples
+
+
+def _plan_digest(samples: list[Sample], settings: dict) -> str:
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for s in samples:
+        h.update(json.dumps([s.input_ids, s.loss_mask]).encode())
+    return h.hexdigest()[:16]
+
+
+class HiddenStates:
+    """Forward pre-hooks that keep the inputs of the aux layers and of the final norm during one forward."""
+
+    def __init__(self, model, aux_layers: tuple[int, int, int]):
+        self.kept: dict[str, object] = {}
+        layers, norm = _decoder_layers(model), _final_norm(model)
+        self.handles = [
+            layers[i].register_forward_pre_hook(self._keep(f"aux{n}"), with_kwargs=True)
+            for n, i in enumerate(aux_layers)
+        ]
+        self.handles.append(norm.register_forward_pre_hook(self._keep("last"), with_kwargs=True))
+
+    def _keep(self, name: str):
+        def hook(_module, args, kwargs):
+            self.kept[name] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ConfigError(f"generate: {type(model).__name__} has no model.layers (a decoder-only causal LM is needed)")
+    return layers
+
+
+def _final_norm(model):
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is None:
+        raise ConfigError(f"generate: {type(model).__name__} has no model.norm (the final norm)")
+    return norm
+
+
+def target_config_record(config, target_dir: Path) -> dict:
+    """What index.json records of the target: the verifier's identity and the values a drafter takes from it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from eagle3.rope import normalize_rope_scaling
+
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    theta = params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0
+    return {
+        "name_or_path": str(target_dir),
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "model_type": getattr(text, "model_type", ""),
+        "hidden_size": text.hidden_size,
+        "num_hidden_layers": text.num_hidden_layers,
+        "vocab_size": text.vocab_size,
+        "rope_theta": float(theta),
+        "rope_scaling": normalize_rope_scaling(dict(params), "the target's rope_parameters"),
+        "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
+    }
+
+
+def generate(
+    target_dir: str | os.PathLike,
+    data: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_len: int = 2048,
+    aux_layers: tuple[int, int, int] | None = None,
+    draft_vocab: int = 0,
+    dtype: str = "bfloat16",
+    shard_samples: int = 64,
+    device: str = "auto",
+    rank: int = 0,
+    world_size: int = 1,
+    log=print,
+    _after_shard=None,
+) -> Path | None:
+    """Write the dataset (see the module's docstring); returns index.json's path on rank 0, None elsewhere."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3.data import DTYPES, INDEX_FILE, DatasetWriter, build_vocab_mapping, masked_token_counts, sample_key
+
+    target, out = Path(target_dir), Path(out_dir)
+    if not (target / "config.json").is_file():
+        raise ConfigError(f"generate: {target} is not a model folder (no config.json); give a local target folder")
+    if dtype not in DTYPES:
+        raise ConfigError(f"generate: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    if shard_samples < 1 or max_len < 2:
+        raise ConfigError("generate: --shard-samples must be at least 1 and --max-len at least 2")
+    if (out / INDEX_FILE).is_file():
+        raise ConfigError(f"generate: {out} already holds a finished dataset ({INDEX_FILE}); choose another folder")
+    config = AutoConfig.from_pretrained(target, local_files_only=True)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = aux_layers or default_aux_layers(text_config.num_hidden_layers)
+    if len(set(layers)) != 3 or not all(0 <= i < text_config.num_hidden_layers for i in layers):
+        raise ConfigError(
+            f"generate: aux layers {list(layers)} must be 3 distinct layers of the target's "
+            f"{text_config.num_hidden_layers} (0 .. {text_config.num_hidden_layers - 1})"
+        )
+    vocab = text_config.vocab_size
+    draft = draft_vocab or vocab
+    if not 1 <= draft <= vocab:
+        raise ConfigError(f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}")
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    samples = build_plan(read_records(Path(data)), tokenizer, max_len)
+    settings = {"target": str(target.resolve()), "data": str(Path(data).resolve()), "max_len": max_len,
+                "aux_layers": list(layers), "dtype": dtype, "shard_samples": shard_samples}  # fmt: skip
+    digest = _plan_digest(samples, settings)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shards").mkdir(exist_ok=True)
+    plan_path = out / PLAN_FILE
+    if rank == 0:
+        if plan_path.is_file():
+            old = json.loads(plan_path.read_text())
+            if old.get("digest") != digest:
+                raise ConfigError(
+                    f"generate: {out} holds shards of another generation (other target, data or settings: "
+                    f"{old.get('settings')}); resume with the same arguments or choose another folder"
+                )
+        else:
+            tmp = plan_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"digest": digest, "settings": settings, "samples": len(samples)}) + "\n")
+            os.replace(tmp, plan_path)
+    shards = [range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)]
+
+    def complete(n: int) -> bool:
+        path = out / SHARD_NAME.format(n)
+        if not path.is_file():
+            return False
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return len(list(f.keys())) == 4 * len(shards[n])
+        except Exception:  # noqa: BLE001 - a torn file (it cannot be: renamed when whole) is written again
+            return False
+
+    mine = [n for n in range(len(shards)) if n % world_size == rank]
+    todo = [n for n in mine if not complete(n)]
+    if len(todo) < len(mine):
+        log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+    model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
+    store = DTYPES[dtype]
+    todo_samples = sum(len(shards[n]) for n in todo)
+    todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in shards[n])
+    started, done_samples, done_tokens, last_line = time.monotonic(), 0, 0, 0.0
+    hooks = HiddenStates(model, layers)
+    try:
+        for n in todo:
+            tensors = {}
+            for i in shards[n]:
+                ids = torch.tensor(samples[i].input_ids, dtype=torch.long, device=dev)
+                with torch.inference_mode():
+                    model.model(input_ids=ids[None])  # the decoder stack: the head is not needed
+                aux = torch.cat([hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
+                tensors[sample_key(i, "input_ids")] = ids.cpu()
+                tensors[sample_key(i, "loss_mask")] = torch.tensor(samples[i].loss_mask, dtype=torch.uint8)
+                tensors[sample_key(i, "aux_hidden")] = aux.to(store).cpu().contiguous()
+                tensors[sample_key(i, "last_hidden")] = hooks.kept["last"][0].to(store).cpu().contiguous()
+                done_samples += 1
+                done_tokens += ids.numel()
+            path = out / SHARD_NAME.format(n)
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
+            if _after_shard is not None:
+                _after_shard(n)
+            now = time.monotonic()
+            if now - last_line >= 10 or done_samples == todo_samples:
+                rate = done_tokens / max(now - started, 1e-9)
+                eta = (todo_tokens - done_tokens) / max(rate, 1e-9)
+                log(
+                    f"generate: rank {rank}: {done_samples}/{todo_samples} samples, {done_tokens} tokens, "
+                    f"{rate:,.0f} tokens/s, ETA {eta:.0f} s",
+                    flush=True,
+                )
+                last_line = now
+    finally:
+        hooks.close()
+    if rank != 0:
+        return None
+    deadline = time.monotonic() + 24 * 3600
+    while not all(complete(n) for n in range(len(shards))):  # the other ranks' shards
+        if time.monotonic() > deadline:
+            raise DataError(f"generate: shards of other ranks did not appear in {out}")
+        time.sleep(2)
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in samples:
+        counts += masked_token_counts(torch.tensor(s.input_ids), torch.tensor(s.loss_mask), vocab)
+    d2t, t2d = build_vocab_mapping(counts, draft)
+    writer = DatasetWriter(out, text_config.hidden_size, store)
+    writer.adopt_shards(
+        [
+            {"file": SHARD_NAME.format(n), "first_sample": shards[n].start,
+             "lengths": [len(samples[i].input_ids) for i in shards[n]]}
+            for n in range(len(shards))
+        ]  # fmt: skip
+    )
+    record = target_config_record(config, target)
+    index = writer.finish(
+        target_vocab_size=vocab,
+        draft_vocab_size=draft,
+        aux_layer_ids=tuple(layers),
+        t2d=t2d,
+        d2t=d2t,
+        embed=model.get_input_embeddings().weight.detach().to(store).cpu(),
+        final_norm=_final_norm(model).weight.detach().to(store).cpu(),
+        lm_head=model.get_output_embeddings().weight.detach().to(store).cpu(),
+        extra={
+            "source": "generate",
+            "target_config": record,
+            "verifier": {"name_or_path": record["name_or_path"], "architectures": record["architectures"]},
+            "generate": settings,
+        },
+    )
+    coverage = float(counts[t2d].sum()) / max(1, int(counts.sum()))
+    log(
+        f"generate: {len(samples)} samples, {sum(len(s.input_ids) for s in samples)} tokens "
+        f"({int(counts.sum())} supervised), draft vocab {draft} of {vocab} covers {coverage:.1%}, "
+        f"aux layers {list(layers)} -> {index}",
+        flush=True,
+    )
+    return index
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle3.cli import HelpFormatter
+
+    ap = argparse.ArgumentParser(
+        prog="python -m eagle3 generate",
+        description="Write an EAGLE-3 training set from a local Hugging Face causal LM (the target) and a local "
+        "JSONL (messages / conversations / text) or text file.",
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument("out_dir", help="dataset folder to write (a restart with the same arguments resumes)")
+    ap.add_argument("--target", required=True, help="the target model's folder (from_pretrained, local only)")
+    ap.add_argument("--data", required=True, help="JSONL with messages, conversations or text; or a text file")
+    ap.add_argument("--max-len", type=int, default=2048, help="tokens per sample at most (longer are cut)")
+    ap.add_argument("--aux-layers", default="", help="three target layers, e.g. 2,16,29; empty: 2, n/2, n-3")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocab size; 0: the target's vocab")
+    ap.add_argument("--dtype", default="bfloat16", help="dtype of the stored hidden states")
+    ap.add_argument("--shard-samples", type=int, default=64, help="samples per shard (the unit of resuming)")
+    ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:N")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    layers = None
+    if args.aux_layers:
+        try:
+            layers = tuple(int(x) for x in args.aux_layers.split(","))
+        except ValueError as e:
+            raise ConfigError(f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)") from e
+        if len(layers) != 3:
+            raise ConfigError(f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = args.device
+    if device == "auto" and world > 1:
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    generate(
+        args.target, args.data, args.out_dir, max_len=args.max_len, aux_layers=layers,
+        draft_vocab=args.draft_vocab, dtype=args.dtype, shard_samples=args.shard_samples, device=device,
+        rank=rank, world_size=world,
+    )  # fmt: skip
+    return 0
