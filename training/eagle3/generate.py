@@ -35,7 +35,15 @@ from eagle3.errors import ConfigError, DataError
 
 SHARD_NAME = "shards/shard_{:05d}.safetensors"
 PLAN_FILE = "generate_plan.json"
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# Tests only: SIGKILL this process right after shard N is in place (the resume test's kill -9).
+FAULT_KILL_ENV = "EAGLE3_FAULT_KILL_AFTER_SHARD"
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 @dataclass
@@ -113,7 +121,9 @@ def tokenize(record: dict, tokenizer, max_len: int, where: str = "") -> Sample:
         )
 
     def render(turns, prompt: bool) -> list[int]:
-        out = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt, return_dict=True)
+        out = tokenizer.apply_chat_template(
+            turns, tokenize=True, add_generation_prompt=prompt, return_dict=True
+        )
         return list(out["input_ids"])
 
     ids = render(messages, False)
@@ -178,7 +188,9 @@ def _decoder_layers(model):
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ConfigError(f"generate: {type(model).__name__} has no model.layers (a decoder-only causal LM is needed)")
+        raise ConfigError(
+            f"generate: {type(model).__name__} has no model.layers (a decoder-only causal LM is needed)"
+        )
     return layers
 
 
@@ -231,17 +243,28 @@ def generate(
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3.data import DTYPES, INDEX_FILE, DatasetWriter, build_vocab_mapping, masked_token_counts, sample_key
+    from eagle3.data import (
+        DTYPES,
+        INDEX_FILE,
+        DatasetWriter,
+        build_vocab_mapping,
+        masked_token_counts,
+        sample_key,
+    )
 
     target, out = Path(target_dir), Path(out_dir)
     if not (target / "config.json").is_file():
-        raise ConfigError(f"generate: {target} is not a model folder (no config.json); give a local target folder")
+        raise ConfigError(
+            f"generate: {target} is not a model folder (no config.json); give a local target folder"
+        )
     if dtype not in DTYPES:
         raise ConfigError(f"generate: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if shard_samples < 1 or max_len < 2:
         raise ConfigError("generate: --shard-samples must be at least 1 and --max-len at least 2")
     if (out / INDEX_FILE).is_file():
-        raise ConfigError(f"generate: {out} already holds a finished dataset ({INDEX_FILE}); choose another folder")
+        raise ConfigError(
+            f"generate: {out} already holds a finished dataset ({INDEX_FILE}); choose another folder"
+        )
     config = AutoConfig.from_pretrained(target, local_files_only=True)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = aux_layers or default_aux_layers(text_config.num_hidden_layers)
@@ -253,7 +276,9 @@ def generate(
     vocab = text_config.vocab_size
     draft = draft_vocab or vocab
     if not 1 <= draft <= vocab:
-        raise ConfigError(f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}")
+        raise ConfigError(
+            f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}"
+        )
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     samples = build_plan(read_records(Path(data)), tokenizer, max_len)
     settings = {"target": str(target.resolve()), "data": str(Path(data).resolve()), "max_len": max_len,
@@ -272,7 +297,9 @@ def generate(
                 )
         else:
             tmp = plan_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"digest": digest, "settings": settings, "samples": len(samples)}) + "\n")
+            tmp.write_text(
+                json.dumps({"digest": digest, "settings": settings, "samples": len(samples)}) + "\n"
+            )
             os.replace(tmp, plan_path)
     shards = [range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)]
 
@@ -283,16 +310,20 @@ def generate(
         try:
             with safe_open(str(path), framework="pt") as f:
                 return len(list(f.keys())) == 4 * len(shards[n])
-        except Exception:  # noqa: BLE001 - a torn file (it cannot be: renamed when whole) is written again
+        except Exception:
             return False
 
     mine = [n for n in range(len(shards)) if n % world_size == rank]
     todo = [n for n in mine if not complete(n)]
     if len(todo) < len(mine):
         log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
     model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
+    )
     store = DTYPES[dtype]
     todo_samples = sum(len(shards[n]) for n in todo)
     todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in shards[n])
@@ -318,6 +349,10 @@ def generate(
             os.replace(tmp, path)
             if _after_shard is not None:
                 _after_shard(n)
+            if os.environ.get(FAULT_KILL_ENV, "") == str(n):
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
             now = time.monotonic()
             if now - last_line >= 10 or done_samples == todo_samples:
                 rate = done_tokens / max(now - started, 1e-9)
@@ -344,10 +379,13 @@ def generate(
     writer = DatasetWriter(out, text_config.hidden_size, store)
     writer.adopt_shards(
         [
-            {"file": SHARD_NAME.format(n), "first_sample": shards[n].start,
-             "lengths": [len(samples[i].input_ids) for i in shards[n]]}
+            {
+                "file": SHARD_NAME.format(n),
+                "first_sample": shards[n].start,
+                "lengths": [len(samples[i].input_ids) for i in shards[n]],
+            }
             for n in range(len(shards))
-        ]  # fmt: skip
+        ]
     )
     record = target_config_record(config, target)
     index = writer.finish(
@@ -387,7 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("out_dir", help="dataset folder to write (a restart with the same arguments resumes)")
     ap.add_argument("--target", required=True, help="the target model's folder (from_pretrained, local only)")
-    ap.add_argument("--data", required=True, help="JSONL with messages, conversations or text; or a text file")
+    ap.add_argument(
+        "--data", required=True, help="JSONL with messages, conversations or text; or a text file"
+    )
     ap.add_argument("--max-len", type=int, default=2048, help="tokens per sample at most (longer are cut)")
     ap.add_argument("--aux-layers", default="", help="three target layers, e.g. 2,16,29; empty: 2, n/2, n-3")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocab size; 0: the target's vocab")
@@ -404,7 +444,9 @@ def main(argv: list[str]) -> int:
         try:
             layers = tuple(int(x) for x in args.aux_layers.split(","))
         except ValueError as e:
-            raise ConfigError(f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)") from e
+            raise ConfigError(
+                f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)"
+            ) from e
         if len(layers) != 3:
             raise ConfigError(f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -39,6 +39,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 INFO_FILE = "eagle3_tiny_target.json"
+# Where the tests and the walkthrough keep it (beside the local CT's root file system).
+DEFAULT_CACHE_DIR = os.environ.get("EAGLE3_CACHE_DIR", "/var/cache/eagle3-pve")
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,13 @@ class TinyTargetConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"tiny-target: {key}={getattr(self, key)} must be at least 1")
         if self.vocab_size < 300:
-            raise ConfigError(f"tiny-target: vocab_size={self.vocab_size} must be at least 300 (256 bytes + merges)")
+            raise ConfigError(
+                f"tiny-target: vocab_size={self.vocab_size} must be at least 300 (256 bytes + merges)"
+            )
         if self.num_layers < 6:
-            raise ConfigError(f"tiny-target: num_layers={self.num_layers} must be at least 6 (3 distinct aux layers)")
+            raise ConfigError(
+                f"tiny-target: num_layers={self.num_layers} must be at least 6 (3 distinct aux layers)"
+            )
 
 
 def corpus_files(limit_bytes: int) -> list[Path]:
@@ -162,7 +168,11 @@ def build(out_dir: str | os.PathLike, cfg: TinyTargetConfig = TinyTargetConfig()
     warmup = max(1, cfg.steps // 20)
     model.train()
     for step in range(cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
+        lr = (
+            cfg.lr
+            * min(1.0, (step + 1) / warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
+        )
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, train_ids.numel() - cfg.seq_len - 1, (cfg.batch,), generator=gen)
@@ -225,12 +235,20 @@ def held_out_loss(model, ids, seq_len: int) -> float:
     return total / max(1, count)
 
 
-def cached(cache_dir: str | os.PathLike, cfg: TinyTargetConfig = TinyTargetConfig(), log=print) -> Path:
+def cached(
+    cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR, cfg: TinyTargetConfig = TinyTargetConfig(), log=print
+) -> Path:
     """The tiny target under `cache_dir`, built first if this settings-and-corpus pair has no complete folder."""
+    import fcntl
+
     folder = Path(cache_dir) / cache_name(cfg)
     if (folder / INFO_FILE).is_file():
         return folder
-    build(folder, cfg, log)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a second caller finds it built
+        if not (folder / INFO_FILE).is_file():
+            build(folder, cfg, log)
     return folder
 
 
@@ -253,6 +271,9 @@ def main(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    values = {k: getattr(args, k) for k in ("steps", "seed", "vocab_size", "hidden_size", "num_layers", "batch", "seq_len")}
+    values = {
+        k: getattr(args, k)
+        for k in ("steps", "seed", "vocab_size", "hidden_size", "num_layers", "batch", "seq_len")
+    }
     build(args.out_dir, TinyTargetConfig(**values))
     return 0
