@@ -18,6 +18,7 @@ export RUN_DIR OUT_DIR [--checkpoint best|latest|PATH]   speculators format for 
 import SRC OUT --target-weights PATH [--draft-vocab N]   from the speculators offline layout
 report RUN_DIR [RUN_DIR ...] -o report.png|report.html   plots of one run, or several compared
 generate OUT_DIR --target DIR --data FILE [...]   training data from a local Hugging Face target (resumable)
+evaluate DRAFTER --target DIR --data FILE [--k 3]   real acceptance length (speculative decoding)
 tiny-target OUT_DIR [--steps N]                   train the tiny Llama target on the Python stdlib's sources
 
 `python -m eagle3 COMMAND --help` lists every option of a command with its type, default and meaning.
@@ -224,6 +225,12 @@ def cmd_generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def cmd_evaluate(argv: list[str]) -> int:
+    from eagle3.evaluate import main as evaluate_main
+
+    return evaluate_main(argv)
+
+
 def cmd_tiny_target(argv: list[str]) -> int:
     from eagle3.tiny_target import main as tiny_main
 
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest)
     commands = {
         "synth": cmd_synth, "plan": cmd_plan, "export": cmd_export, "import": cmd_import, "report": cmd_report,
-        "generate": cmd_generate, "tiny-target": cmd_tiny_target,
+        "generate": cmd_generate, "evaluate": cmd_evaluate, "tiny-target": cmd_tiny_target,
     }  # fmt: skip
     if command not in commands:
         print(

@@ -1,0 +1,293 @@
+"""`python -m eagle3 evaluate`: the real acceptance length of a drafter, by decoding with it.
+
+Greedy chain speculative decoding of the target: each round the drafter proposes K tokens from the target's aux
+hidden states (step 0 reads the newest token and the aux states; step k reads its own draft k), the target runs
+once over the sequence with the K drafts appended, and the longest prefix of drafts equal to the target's own
+greedy choices is kept, plus the target's next token (the bonus). The output is therefore the target's plain
+greedy decoding, token for token, whatever the drafter proposes (tests/test_evaluate.py checks it); the drafter
+only decides how many tokens each target forward yields.
+
+Reported: tau_real = tokens generated per target forward (the acceptance length, bonus included; 1 is no gain),
+the acceptance rate per draft position (position i is reached only when 1..i-1 were accepted), and the wall-clock
+time of speculative and plain greedy decoding on this machine, both with the same target forward (full recompute,
+no KV cache: the ratio isolates what the drafter saves in target forwards, and overstates neither).
+
+The simulated acceptance length the trainer reports in validation assumes every position of every document can
+start a chain of ttt_steps drafts; real decoding drafts K from the frontier only, chains end at the end of the text,
+and a rejected draft restarts from the target's token: expect tau_real somewhat below the simulated figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.errors import ConfigError
+
+
+@dataclass
+class DecodeStats:
+    tokens: int = 0
+    target_forwards: int = 0
+    reached: list[int] = field(default_factory=list)  # per draft position: rounds that got there
+    accepted: list[int] = field(default_factory=list)  # per draft position: rounds that accepted it
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(1, self.target_forwards)
+
+    def add(self, other: DecodeStats) -> None:
+        self.tokens += other.tokens
+        self.target_forwards += other.target_forwards
+        self.seconds += other.seconds
+        for mine, theirs in ((self.reached, other.reached), (self.accepted, other.accepted)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+
+class TargetRunner:
+    """The target's greedy next tokens and the hidden states entering its aux layers, one full forward each."""
+
+    def __init__(self, model, aux_layers):
+        from eagle3.generate import HiddenStates
+
+        self.model = model
+        self.hooks = HiddenStates(model, tuple(aux_layers))
+
+    def forward(self, ids: list[int]):
+        import torch
+
+        with torch.inference_mode():
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0]
+        aux = torch.cat([self.hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
+        return logits.argmax(-1).tolist(), aux.float()
+
+
+def greedy(
+    runner: TargetRunner, prompt: list[int], max_new: int, eos: int | None = None
+) -> tuple[list[int], float]:
+    """Plain greedy decoding, one full target forward per token: (new tokens, seconds)."""
+    started = time.perf_counter()
+    seq = list(prompt)
+    for _ in range(max_new):
+        token = runner.forward(seq)[0][-1]
+        seq.append(token)
+        if token == eos:
+            break
+    return seq[len(prompt) :], time.perf_counter() - started
+
+
+class DrafterProposer:
+    """K draft tokens from an Eagle3Drafter at the frontier of a sequence (target ids)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def propose(self, seq: list[int], aux, k: int) -> list[int]:
+        import torch
+
+        h = self.drafter.cfg.hidden_size
+        length = len(seq) + k
+        input_ids = torch.zeros(length, dtype=torch.long)
+        input_ids[: len(seq)] = torch.tensor(seq)
+        aux_row = torch.zeros(length, 3 * h)
+        known = len(seq) - 1  # aux states of the positions before the newest token (later ones are not read)
+        aux_row[:known] = aux[:known]
+        batch = {
+            "input_ids": input_ids,
+            "aux_hidden": aux_row.to(self.drafter.fc.weight.dtype),
+            "last_hidden": torch.zeros(length, h, dtype=self.drafter.fc.weight.dtype),
+            "loss_mask": torch.ones(length, dtype=torch.bool),
+            "document_ids": torch.zeros(length, dtype=torch.long),
+            "position_ids": torch.arange(length),
+        }
+        frontier = len(seq) - 2  # its step 0 reads the newest token, seq[-1]
+        drafts: list[int] = []
+        with torch.no_grad():
+            for step, hidden in enumerate(self.drafter.ttt_hidden_states(batch, k, attention="exact")):
+                d = int(self.drafter.draft_logits(hidden[frontier : frontier + 1]).argmax(-1))
+                token = d + int(self.drafter.d2t[d])
+                drafts.append(token)
+                if step + 1 < k:  # step k reads draft k (the generator reads input_ids at each step)
+                    input_ids[frontier + step + 2] = token
+        return drafts
+
+
+class FrequentTokenProposer:
+    """The baseline: always the target's most frequent supervised token, K times."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, seq, aux, k: int) -> list[int]:
+        return [self.token] * k
+
+
+def speculative(
+    runner: TargetRunner, proposer, prompt: list[int], max_new: int, k: int, eos: int | None = None
+) -> tuple[list[int], DecodeStats]:
+    """Greedy chain speculative decoding: the target's greedy tokens, and how many each target forward gave."""
+    stats = DecodeStats(reached=[0] * k, accepted=[0] * k)
+    started = time.perf_counter()
+    preds, aux = runner.forward(prompt)
+    stats.target_forwards += 1
+    seq = [*prompt, preds[-1]]
+    while len(seq) - len(prompt) < max_new and seq[-1] != eos:
+        drafts = proposer.propose(seq, aux, k)
+        preds, aux = runner.forward(seq + drafts)
+        stats.target_forwards += 1
+        base = len(seq) - 1  # the target's prediction for the token after seq[-1]
+        n = 0
+        while n < k:
+            stats.reached[n] += 1
+            if preds[base + n] != drafts[n]:
+                break
+            stats.accepted[n] += 1
+            n += 1
+        new = [*drafts[:n], preds[base + n]]
+        if eos in new:
+            new = new[: new.index(eos) + 1]
+        seq += new
+    out = seq[len(prompt) :][:max_new]
+    stats.tokens = len(out)
+    stats.seconds = time.perf_counter() - started
+    return out, stats
+
+
+def prompts_from(records: list[dict], tokenizer, limit: int, max_prompt: int) -> list[list[int]]:
+    """Prompt tokens of held-out samples: a conversation up to its last assistant turn (with the template's
+    generation prompt), or the first half of a text."""
+    out = []
+    for record in records[:limit]:
+        if "messages" in record:
+            turns = record["messages"]
+            last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=len(turns))
+            rendered = tokenizer.apply_chat_template(
+                turns[:last], add_generation_prompt=True, return_dict=True
+            )
+            ids = list(rendered["input_ids"])
+        else:
+            ids = tokenizer(record["text"])["input_ids"]
+            ids = ids[: max(2, len(ids) // 2)]
+        out.append(ids[-max_prompt:])
+    return out
+
+
+def load_drafter(path: str | Path):
+    """A drafter from a run folder (its best checkpoint) or an export folder; (model, run config or None)."""
+    path = Path(path)
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        from eagle3.export import load_exported
+
+        return load_exported(path), None
+    from eagle3.cli import load_trained
+
+    model, _, cfg = load_trained(str(path), "best")
+    return model, cfg
+
+
+def simulated_tau(run_dir: Path) -> float | None:
+    """The run's last validation acceptance length (status.json), if any."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    val = status.get("val") or {}
+    value = val.get("acceptance_length", status.get("acceptance_length"))
+    return float(value) if value is not None else None
+
+
+def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, prompts: int = 16,
+             max_prompt: int = 512, baseline: bool = True, log=print) -> dict:  # fmt: skip
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3.generate import read_records
+
+    if k < 1 or max_new < 1 or prompts < 1:
+        raise ConfigError("evaluate: --k, --max-new and --prompts must be at least 1")
+    drafter, run_cfg = load_drafter(drafter_path)
+    drafter = drafter.float().eval()
+    target = AutoModelForCausalLM.from_pretrained(
+        target_dir, local_files_only=True, dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    if target.config.hidden_size != drafter.cfg.hidden_size:
+        raise ConfigError(
+            f"evaluate: the drafter's hidden size {drafter.cfg.hidden_size} is not the target's "
+            f"{target.config.hidden_size}: it was trained for another target"
+        )
+    runner = TargetRunner(target, drafter.cfg.aux_layer_ids)
+    eos = tokenizer.eos_token_id
+    prompt_ids = prompts_from(read_records(Path(data)), tokenizer, prompts, max_prompt)
+    total, plain_seconds, exact = DecodeStats(reached=[0] * k, accepted=[0] * k), 0.0, True
+    for ids in prompt_ids:
+        out, stats = speculative(runner, DrafterProposer(drafter), ids, max_new, k, eos)
+        plain, seconds = greedy(runner, ids, max_new, eos)
+        exact &= out == plain
+        total.add(stats)
+        plain_seconds += seconds
+    result = {
+        "k": k,
+        "prompts": len(prompt_ids),
+        "tokens": total.tokens,
+        "target_forwards": total.target_forwards,
+        "tau_real": round(total.tau, 4),
+        "acceptance_per_position": [
+            round(a / r, 4) if r else None for a, r in zip(total.accepted, total.reached)
+        ],
+        "speculative_seconds": round(total.seconds, 3),
+        "greedy_seconds": round(plain_seconds, 3),
+        "speedup": round(plain_seconds / max(total.seconds, 1e-9), 3),
+        "exact": exact,
+    }
+    if run_cfg is not None:
+        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir))
+    if baseline:
+        counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
+        for ids in prompt_ids:
+            counts += torch.bincount(torch.tensor(ids), minlength=counts.numel())
+        frequent = int(counts.argmax())
+        base = DecodeStats(reached=[0] * k, accepted=[0] * k)
+        for ids in prompt_ids:
+            base.add(speculative(runner, FrequentTokenProposer(frequent), ids, max_new, k, eos)[1])
+        result["tau_frequent_token"] = round(base.tau, 4)
+    log(
+        f"evaluate: tau_real {result['tau_real']:.3f} tokens per target forward (K={k}, {result['prompts']} prompts, "
+        f"{result['tokens']} tokens); acceptance per position {result['acceptance_per_position']}; "
+        f"speedup {result['speedup']:.2f}x on this machine (full-recompute target forward); output equals greedy: "
+        f"{exact}"
+        + (f"; simulated tau {result['tau_simulated']}" if result.get("tau_simulated") is not None else "")
+        + (f"; most-frequent-token drafter: tau {result['tau_frequent_token']:.3f}" if baseline else ""),
+        flush=True,
+    )
+    return result
+
+
+def main(argv: list[str]) -> int:
+    from eagle3.cli import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog="python -m eagle3 evaluate", description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)  # fmt: skip
+    ap.add_argument("drafter", help="a run folder (its best checkpoint) or an export folder")
+    ap.add_argument("--target", required=True, help="the target model's folder (local only)")
+    ap.add_argument("--data", required=True, help="held-out samples (the generate formats): prompts")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per round")
+    ap.add_argument("--max-new", type=int, default=64, help="tokens to generate per prompt")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts to use (the first N samples)")
+    ap.add_argument("--json", default="", help="also write the result here (a run folder gets evaluate.json)")
+    args = ap.parse_args(argv)
+    result = evaluate(
+        args.target, args.drafter, args.data, k=args.k, max_new=args.max_new, prompts=args.prompts
+    )
+    out = Path(args.json) if args.json else None
+    if out is None and (Path(args.drafter) / "status.json").is_file():
+        out = Path(args.drafter) / "evaluate.json"
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result["exact"] else 1
