@@ -239,7 +239,7 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         "target_forwards": total.target_forwards,
         "tau_real": round(total.tau, 4),
         "acceptance_per_position": [
-            round(a / r, 4) if r else None for a, r in zip(total.accepted, total.reached)
+            round(a / r, 4) if r else None for a, r in zip(total.accepted, total.reached, strict=True)
         ],
         "speculative_seconds": round(total.seconds, 3),
         "greedy_seconds": round(plain_seconds, 3),
