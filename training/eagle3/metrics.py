@@ -88,8 +88,21 @@ def peak_memory_gb(device: torch.device) -> tuple[float, str]:
     """Peak CUDA memory allocated by this process, or its peak RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30, "cuda"
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
+    return peak_rss_kib() / 2**20, "rss"
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set in KiB: VmHWM of its address space. ru_maxrss is not used where VmHWM can
+    be read: Linux keeps it across execve, so a trainer started by a large parent (a test runner that has
+    imported transformers, say) would report the parent's footprint as its own."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
 def format_duration(seconds: float | None) -> str:
