@@ -33,7 +33,46 @@ INDEX_FILE = "index.json"
 VOCAB_FILE = "vocab.safetensors"
 TARGET_FILE = "target.safetensors"
 SAMPLE_KEYS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    # 8-bit storage: float8 e4m3 with one float32 scale per token and hidden state (aux layer), read back as bf16.
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+# A quantized field's per-token scales are stored beside it under this suffix: aux_hidden_scale [S, 3],
+# last_hidden_scale [S, 1].
+SCALE_SUFFIX = "_scale"
+QUANTIZED_KEYS = ("aux_hidden", "last_hidden")
+
+
+def quantize_fp8(x: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, parts * H] as float8 e4m3 with a float32 scale per token and part ([S, parts]), each part's
+    largest magnitude mapped to 448 (e4m3's largest finite value).
+
+    >>> q, scale = quantize_fp8(torch.tensor([[1.0, -2.0, 0.5, 0.25]]), 2)
+    >>> q.dtype, scale.tolist(), dequantize_fp8(q, scale, torch.float32).tolist()
+    (torch.float8_e4m3fn, [[0.004464285913854837, 0.0011160714784637094]], [[1.0, -2.0, 0.5, 0.25]])
+    """
+    s, width = x.shape
+    parts_view = x.float().reshape(s, parts, width // parts)
+    scale = (parts_view.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)  # [S, parts]
+    q = (parts_view / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(s, width), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_fp8, in `dtype`."""
+    s, width = q.shape
+    parts = scale.shape[1]
+    return (q.float().reshape(s, parts, width // parts) * scale[..., None]).reshape(s, width).to(dtype)
+
+
+def read_dtype(stored: torch.dtype) -> torch.dtype:
+    """The dtype rows are read in: the stored one, bf16 for 8-bit storage."""
+    return torch.bfloat16 if stored == FP8 else stored
 
 
 def sample_key(sample_id: int, name: str) -> str:
@@ -241,8 +280,31 @@ class DatasetReader:
                     f"{sample_key(sample_id, name)} is {'missing' if entry is None else list(entry.shape)}, "
                     f"expected {list(shape)} from index.json; the shard does not match the index"
                 )
+            if name in QUANTIZED_KEYS and entry.dtype == FP8:
+                scale = shard.tensors.get(sample_key(sample_id, name + SCALE_SUFFIX))
+                parts = 3 if name == "aux_hidden" else 1
+                if scale is None or scale.shape != (length, parts) or scale.dtype != torch.float32:
+                    raise DataError(
+                        f"cannot read sample {sample_id} from {self.index.shard_files[n]}: "
+                        f"{sample_key(sample_id, name + SCALE_SUFFIX)} (float32 [{length}, {parts}]) is missing or "
+                        "malformed; the 8-bit shard is corrupt, regenerate it"
+                    )
+                entry = (entry, scale)
             out.append((name, entry))
         return shard, out
+
+    @staticmethod
+    def _read_field(shard: _Shard, entry, rows: int, dest: torch.Tensor) -> None:
+        """`rows` rows of a field into `dest`, dequantizing an 8-bit one (entry = (values, scales))."""
+        if isinstance(entry, tuple):
+            values, scales = entry
+            q = torch.empty((rows, *values.shape[1:]), dtype=FP8)
+            scale = torch.empty((rows, scales.shape[1]), dtype=torch.float32)
+            shard.read_rows(values, rows, q)
+            shard.read_rows(scales, rows, scale)
+            dest.copy_(dequantize_fp8(q, scale, dest.dtype))
+            return
+        shard.read_rows(entry, rows, dest)
 
     def sample(self, sample_id: int, max_len: int | None = None) -> dict[str, torch.Tensor]:
         """One sample's tensors, truncated to `max_len` tokens if given (reads only the kept rows)."""
@@ -251,8 +313,9 @@ class DatasetReader:
         shard, fields = self._fields(sample_id)
         out = {}
         for name, entry in fields:
-            dest = torch.empty((keep, *entry.shape[1:]), dtype=entry.dtype)
-            shard.read_rows(entry, keep, dest)
+            values = entry[0] if isinstance(entry, tuple) else entry
+            dest = torch.empty((keep, *values.shape[1:]), dtype=read_dtype(values.dtype))
+            self._read_field(shard, entry, keep, dest)
             out[name] = dest
         out["loss_mask"] = out["loss_mask"].to(torch.bool)
         return out
@@ -283,7 +346,8 @@ class DatasetReader:
             plan.append((i, pos, n, *self._fields(i)))
             pos += n
         fields = dict(plan[0][4])
-        dtype = fields["aux_hidden"].dtype
+        aux_entry = fields["aux_hidden"]
+        dtype = read_dtype((aux_entry[0] if isinstance(aux_entry, tuple) else aux_entry).dtype)
 
         def empty(shape, dt):
             return torch.empty(shape, dtype=dt, pin_memory=pin_memory)
@@ -309,6 +373,9 @@ class DatasetReader:
         for doc, (_i, start, n, shard, entries) in enumerate(plan):
             for name, entry in entries:
                 dest = mask_bytes if name == "loss_mask" else row[name]
+                if isinstance(entry, tuple):  # 8-bit: dequantized into the row
+                    self._read_field(shard, entry, n, dest[start : start + n])
+                    continue
                 if entry.dtype != (torch.uint8 if name == "loss_mask" else dest.dtype):
                     # A field stored in another dtype (never written by DatasetWriter): convert like build_row.
                     tmp = torch.empty((n, *entry.shape[1:]), dtype=entry.dtype)
@@ -354,6 +421,7 @@ class DatasetReader:
 
 ST_DTYPES = {
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
     "F16": torch.float16,
     "F32": torch.float32,
     "F64": torch.float64,
@@ -517,8 +585,14 @@ class DatasetWriter:
         i = self.num_samples
         self._pending[sample_key(i, "input_ids")] = input_ids.to(torch.long).contiguous()
         self._pending[sample_key(i, "loss_mask")] = loss_mask.to(torch.uint8).contiguous()
-        self._pending[sample_key(i, "aux_hidden")] = aux_hidden.to(self.dtype).contiguous()
-        self._pending[sample_key(i, "last_hidden")] = last_hidden.to(self.dtype).contiguous()
+        if self.dtype == FP8:
+            for name, value, parts in (("aux_hidden", aux_hidden, 3), ("last_hidden", last_hidden, 1)):
+                q, scale = quantize_fp8(value, parts)
+                self._pending[sample_key(i, name)] = q.contiguous()
+                self._pending[sample_key(i, name + SCALE_SUFFIX)] = scale.contiguous()
+        else:
+            self._pending[sample_key(i, "aux_hidden")] = aux_hidden.to(self.dtype).contiguous()
+            self._pending[sample_key(i, "last_hidden")] = last_hidden.to(self.dtype).contiguous()
         self._pending_lengths.append(length)
         self._pending_tokens += length
         self.num_samples += 1

@@ -431,7 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-len", type=int, default=2048, help="tokens per sample at most (longer are cut)")
     ap.add_argument("--aux-layers", default="", help="three target layers, e.g. 2,16,29; empty: 2, n/2, n-3")
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocab size; 0: the target's vocab")
-    ap.add_argument("--dtype", default="bfloat16", help="dtype of the stored hidden states")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="dtype of the stored hidden states: bfloat16, float16, "
+        "float32, or float8_e4m3fn (8-bit with a scale per token and layer, read back as bfloat16)",
+    )
     ap.add_argument("--shard-samples", type=int, default=64, help="samples per shard (the unit of resuming)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:N")
     return ap

@@ -181,3 +181,62 @@ def test_import_rejects_mismatched_hidden_size(dataset, tmp_path):
             draft_vocab_size=10,
             aux_layer_ids=(1, 2, 3),
         )
+
+
+def test_8bit_storage_round_trips_through_sample_and_read_row_and_is_half_the_bytes(tmp_path):
+    """float8 e4m3 with a scale per token and aux layer: read back transparently as bf16, within e4m3's
+    precision (3 mantissa bits: 1/16 relative), in half the bytes of bf16 plus 16 bytes of scales per token (ids and mask unchanged)."""
+    from eagle3.data import DatasetWriter, dequantize_fp8, quantize_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    h, lengths = 32, [40, 25]
+    samples = [
+        (torch.randint(0, 64, (n,), generator=gen), torch.ones(n), torch.randn(n, 3 * h, generator=gen) * 3,
+         torch.randn(n, h, generator=gen))
+        for n in lengths
+    ]  # fmt: skip
+    sizes = {}
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        root = tmp_path / str(dtype)
+        writer = DatasetWriter(root, h, dtype)
+        for sample in samples:
+            writer.add(*sample)
+        d2t, t2d = build_vocab_mapping(torch.ones(64), 32)
+        writer.finish(target_vocab_size=64, draft_vocab_size=32, aux_layer_ids=(1, 2, 3), t2d=t2d, d2t=d2t,
+                      embed=torch.randn(64, h), final_norm=torch.ones(h), lm_head=torch.randn(64, h))  # fmt: skip
+        sizes[dtype] = sum(p.stat().st_size for p in (root / "shards").iterdir())
+    reader = DatasetReader(tmp_path / str(torch.float8_e4m3fn))
+    reader.validate()
+    assert reader.index.dtype == "float8_e4m3fn"
+    row = reader.read_row([0, 1], 128)
+    for i, (ids, _mask, aux, last) in enumerate(samples):
+        got = reader.sample(i)
+        expected = dequantize_fp8(*quantize_fp8(aux, 3), torch.bfloat16)
+        assert got["aux_hidden"].dtype == torch.bfloat16 and torch.equal(got["aux_hidden"], expected)
+        assert torch.equal(got["input_ids"], ids)
+        start = sum(lengths[:i])
+        assert torch.equal(row["aux_hidden"][start : start + lengths[i]], expected)
+        assert (got["aux_hidden"].float() - aux).abs().max() <= aux.abs().max() / 16
+        assert (got["last_hidden"].float() - last).abs().max() <= last.abs().max() / 16
+    tokens = sum(lengths)
+    per_token = {k: v / tokens for k, v in sizes.items()}
+    # hidden states per token: 4H bf16 values (256 B at H=32) vs 4H fp8 values + 4 float32 scales (144 B); the ids
+    # and mask (9 B) and the headers are alike in both. At H=7168 the fp8 share is 0.5 + 16 / 57344 of bf16's.
+    assert per_token[torch.float8_e4m3fn] < 0.63 * per_token[torch.bfloat16]
+
+
+def test_an_8bit_shard_without_its_scales_is_refused_by_name(tmp_path):
+    from eagle3.data import DatasetWriter
+    from safetensors.torch import load_file, save_file
+
+    writer = DatasetWriter(tmp_path, 8, torch.float8_e4m3fn)
+    writer.add(torch.arange(4), torch.ones(4), torch.randn(4, 24), torch.randn(4, 8))
+    d2t, t2d = build_vocab_mapping(torch.ones(16), 8)
+    writer.finish(target_vocab_size=16, draft_vocab_size=8, aux_layer_ids=(1, 2, 3), t2d=t2d, d2t=d2t,
+                  embed=torch.randn(16, 8), final_norm=torch.ones(8), lm_head=torch.randn(16, 8))  # fmt: skip
+    shard = next((tmp_path / "shards").iterdir())
+    tensors = load_file(shard)
+    del tensors[next(k for k in tensors if k.endswith("aux_hidden_scale"))]
+    save_file(tensors, shard)
+    with pytest.raises(DataError, match=r"aux_hidden_scale .* missing or malformed"):
+        DatasetReader(tmp_path).sample(0)
