@@ -154,6 +154,65 @@ def build_plan(records: list[dict], tokenizer, max_len: int) -> list[Sample]:
     return samples
 
 
+REGENERATED_FILE = "regenerated.jsonl"
+
+
+def regenerate(records: list[dict], model, tokenizer, out: Path, *, temperature: float, seed: int,
+               max_new: int, log=print) -> list[dict]:  # fmt: skip
+    """The records with every assistant turn replaced by the target's own response to the turns before it (greedy
+    at temperature 0, else sampled with seed + sample number), so the drafter learns what the target will say.
+
+    Written as it goes to OUT/regenerated.jsonl, one line per record, flushed and synced: a restart reads the
+    complete lines back and regenerates from the first missing one (a torn last line is dropped)."""
+    import torch
+
+    path = out / REGENERATED_FILE
+    done: list[dict] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                done.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: regenerated again
+        done = done[: len(records)]
+        with path.open("w") as f:  # rewrite without the torn tail
+            f.writelines(json.dumps(r) + "\n" for r in done)
+    if done:
+        log(f"generate: regenerate: resuming after {len(done)} of {len(records)} records", flush=True)
+    device = next(model.parameters()).device
+    started = time.monotonic()
+    with path.open("a") as f:
+        for n in range(len(done), len(records)):
+            record = records[n]
+            if "messages" in record:
+                turns = [dict(t) for t in record["messages"]]
+                for i, turn in enumerate(turns):
+                    if turn["role"] != "assistant":
+                        continue
+                    prompt = tokenizer.apply_chat_template(
+                        turns[:i], add_generation_prompt=True, return_dict=True
+                    )
+                    ids = torch.tensor([list(prompt["input_ids"])], device=device)
+                    torch.manual_seed(seed + n)
+                    with torch.inference_mode():
+                        new = model.generate(
+                            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                            top_p=None, top_k=None, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                        )[0, ids.shape[1]:]  # fmt: skip
+                    turn["content"] = tokenizer.decode(new, skip_special_tokens=True)
+                record = {"messages": turns}
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            done.append(record)
+            if (n + 1) % 16 == 0 or n + 1 == len(records):
+                log(f"generate: regenerated {n + 1}/{len(records)} records ({time.monotonic() - started:.0f} s)",
+                    flush=True)  # fmt: skip
+    return done
+
+
 def _plan_digest(samples: list[Sample], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for s in samples:
@@ -234,6 +293,10 @@ def generate(
     device: str = "auto",
     rank: int = 0,
     world_size: int = 1,
+    regenerate_responses: bool = False,
+    temperature: float = 0.0,
+    seed: int = 0,
+    regenerate_max_new: int = 512,
     log=print,
     _after_shard=None,
 ) -> Path | None:
@@ -280,9 +343,27 @@ def generate(
             f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}"
         )
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    samples = build_plan(read_records(Path(data)), tokenizer, max_len)
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
+    model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = (
+        AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
+    )
+    records = read_records(Path(data))
+    out.mkdir(parents=True, exist_ok=True)
+    if regenerate_responses:
+        if world_size > 1:
+            raise ConfigError(
+                "generate: --regenerate runs on one rank (run it once, then generate under torchrun)"
+            )
+        records = regenerate(records, model, tokenizer, out, temperature=temperature, seed=seed,
+                             max_new=regenerate_max_new, log=log)  # fmt: skip
+    samples = build_plan(records, tokenizer, max_len)
     settings = {"target": str(target.resolve()), "data": str(Path(data).resolve()), "max_len": max_len,
-                "aux_layers": list(layers), "dtype": dtype, "shard_samples": shard_samples}  # fmt: skip
+                "aux_layers": list(layers), "dtype": dtype, "shard_samples": shard_samples,
+                "regenerate": {"temperature": temperature, "seed": seed, "max_new": regenerate_max_new}
+                if regenerate_responses else None}  # fmt: skip
     digest = _plan_digest(samples, settings)
     out.mkdir(parents=True, exist_ok=True)
     (out / "shards").mkdir(exist_ok=True)
@@ -439,6 +520,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--shard-samples", type=int, default=64, help="samples per shard (the unit of resuming)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:N")
+    ap.add_argument("--regenerate", action="store_true",
+                    help="replace every assistant turn by the target's own response first (the distribution the "
+                    "drafter will serve); kept in OUT_DIR/regenerated.jsonl, resumable")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.0, help="regenerate: 0 greedy, else sampled")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="regenerate: seed (plus the record number) when sampling"
+    )
+    ap.add_argument("--max-new", type=int, default=512, help="regenerate: tokens per response at most")
     return ap
 
 
@@ -464,6 +553,7 @@ def main(argv: list[str]) -> int:
     generate(
         args.target, args.data, args.out_dir, max_len=args.max_len, aux_layers=layers,
         draft_vocab=args.draft_vocab, dtype=args.dtype, shard_samples=args.shard_samples, device=device,
-        rank=rank, world_size=world,
+        rank=rank, world_size=world, regenerate_responses=args.regenerate, temperature=args.temperature,
+        seed=args.seed, regenerate_max_new=args.max_new,
     )  # fmt: skip
     return 0

@@ -159,3 +159,38 @@ def test_a_folder_of_another_generation_is_refused(tiny_target, tmp_path):
     )
     with pytest.raises(ConfigError, match="holds shards of another generation"):
         generate(tiny_target, data, tmp_path / "ds", max_len=256, **quiet)
+
+
+def test_regenerate_replaces_the_responses_by_the_targets_own_and_resumes(tiny_target, tmp_path):
+    data = conversations(tmp_path / "chat.jsonl", count=3)
+    quiet = {"log": lambda *a, **k: None, "max_len": 512, "shard_samples": 2, "regenerate_max_new": 16}
+    index = read_index(
+        generate(tiny_target, data, tmp_path / "ds", regenerate_responses=True, **quiet).parent
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_target, local_files_only=True, dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target, local_files_only=True)
+    reader = DatasetReader(index.root)
+    regenerated = [
+        json.loads(line) for line in (tmp_path / "ds" / "regenerated.jsonl").read_text().splitlines()
+    ]
+    for i, record in enumerate(read_records(data)):
+        prompt = tokenizer.apply_chat_template(
+            record["messages"][:2], add_generation_prompt=True, return_dict=True
+        )
+        ids = torch.tensor([list(prompt["input_ids"])])
+        greedy = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        said = tokenizer.decode(greedy[0, ids.shape[1] :], skip_special_tokens=True)
+        assert regenerated[i]["messages"][2]["content"] == said
+        assert regenerated[i]["messages"][:2] == record["messages"][:2]  # the prompts are kept
+        sample = reader.sample(i)
+        supervised = sample["input_ids"][sample["loss_mask"]].tolist()
+        assert tokenizer.decode(supervised) == said + "<|end|>"
+    # a restart after a kill mid-way reads the complete lines back and regenerates the rest, the same way
+    path = tmp_path / "again" / "regenerated.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(regenerated[0]) + "\n" + '{"messages": [{"role": "us')  # a torn second line
+    generate(tiny_target, data, tmp_path / "again", regenerate_responses=True, **quiet)
+    assert path.read_text() == (tmp_path / "ds" / "regenerated.jsonl").read_text()
