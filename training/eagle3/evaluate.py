@@ -178,8 +178,9 @@ def prompts_from(records: list[dict], tokenizer, limit: int, max_prompt: int) ->
     return out
 
 
-def load_drafter(path: str | Path):
-    """A drafter from a run folder (its best checkpoint) or an export folder; (model, run config or None)."""
+def load_drafter(path: str | Path, checkpoint: str = "best"):
+    """A drafter from a run folder (its `checkpoint`: best, latest or a checkpoint folder) or an export folder;
+    (model, run config or None)."""
     path = Path(path)
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         from eagle3.export import load_exported
@@ -187,7 +188,7 @@ def load_drafter(path: str | Path):
         return load_exported(path), None
     from eagle3.cli import load_trained
 
-    model, _, cfg = load_trained(str(path), "best")
+    model, _, cfg = load_trained(str(path), checkpoint)
     return model, cfg
 
 
@@ -203,7 +204,7 @@ def simulated_tau(run_dir: Path) -> float | None:
 
 
 def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, prompts: int = 16,
-             max_prompt: int = 512, baseline: bool = True, log=print) -> dict:  # fmt: skip
+             max_prompt: int = 512, baseline: bool = True, checkpoint: str = "best", log=print) -> dict:  # fmt: skip
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,7 +212,7 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
 
     if k < 1 or max_new < 1 or prompts < 1:
         raise ConfigError("evaluate: --k, --max-new and --prompts must be at least 1")
-    drafter, run_cfg = load_drafter(drafter_path)
+    drafter, run_cfg = load_drafter(drafter_path, checkpoint)
     drafter = drafter.float().eval()
     target = AutoModelForCausalLM.from_pretrained(
         target_dir, local_files_only=True, dtype=torch.float32
