@@ -62,6 +62,7 @@ def main() -> int:
     ap.add_argument("--work", default="", help="work folder (default: a temporary one)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="eagle3-acceptance-"))
+    work.mkdir(parents=True, exist_ok=True)
     quiet = {"log": lambda *a, **k: None}
     target = cached(**quiet)
     info = json.loads((target / INFO_FILE).read_text())
