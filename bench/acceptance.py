@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from eagle3.evaluate import evaluate  # noqa: E402
+from eagle3.evaluate import evaluate, record_evaluation  # noqa: E402
 from eagle3.generate import generate  # noqa: E402
 from eagle3.tiny_target import INFO_FILE, cached  # noqa: E402
 
@@ -42,14 +42,6 @@ def chats(path: Path, files: list[Path], per_file: int) -> Path:
                     f.write(json.dumps({"messages": [{"role": "user", "content": head},
                                                      {"role": "assistant", "content": tail}]}) + "\n")  # fmt: skip
     return path
-
-
-def val_tau(run: Path, step: int) -> float | None:
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("kind") == "val" and record.get("step") == step:
-            return record.get("acceptance_length")
-    return None
 
 
 def main() -> int:
@@ -115,9 +107,10 @@ def main() -> int:
             ckpt = run / "checkpoints" / f"step_{step:08d}"
             result = evaluate(target, run, held, k=3, max_new=args.max_new, prompts=args.prompts,
                               baseline=baseline is None, checkpoint=str(ckpt), **quiet)  # fmt: skip
+            record_evaluation(run, result)  # `eagle3 report RUN` shows it
             if baseline is None:
                 baseline = result["tau_frequent_token"]
-            rows.append((name, step, val_tau(run, step), result))
+            rows.append((name, step, result.get("tau_simulated"), result))
         print(f"{name}: {args.steps} steps in {train_seconds:.0f} s")
     print(f"\nmost-frequent-token drafter: tau_real {baseline:.3f}")
     print(f"{'drafter':<18} {'step':>5} {'tau_sim':>8} {'tau_real':>9} {'accept/pos (K=3)':>24} {'exact':>6}")

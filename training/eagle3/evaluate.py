@@ -27,6 +27,9 @@ from pathlib import Path
 
 from eagle3.errors import ConfigError
 
+# In the run folder: one line per `eagle3 evaluate` of one of its checkpoints.
+EVALUATE_FILE = "evaluate.jsonl"
+
 
 @dataclass
 class DecodeStats:
@@ -186,21 +189,33 @@ def load_drafter(path: str | Path, checkpoint: str = "best"):
         from eagle3.export import load_exported
 
         return load_exported(path), None
+    from eagle3 import checkpoint as ckpt
     from eagle3.cli import load_trained
 
-    model, _, cfg = load_trained(str(path), checkpoint)
+    model, used, cfg = load_trained(str(path), checkpoint)
+    manifest = json.loads((used / ckpt.MARKER).read_text())
+    cfg.evaluated_step = int(manifest["step"])  # the step the report plots tau_real at
     return model, cfg
 
 
-def simulated_tau(run_dir: Path) -> float | None:
-    """The run's last validation acceptance length (status.json), if any."""
+def simulated_tau(run_dir: Path, step: int) -> float | None:
+    """The validation acceptance length the run recorded at `step` (metrics.jsonl), if it validated there."""
     try:
-        status = json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
         return None
-    val = status.get("val") or {}
-    value = val.get("acceptance_length", status.get("acceptance_length"))
-    return float(value) if value is not None else None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            record.get("kind") == "val"
+            and record.get("step") == step
+            and record.get("acceptance_length") is not None
+        ):
+            return float(record["acceptance_length"])
+    return None
 
 
 def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, prompts: int = 16,
@@ -248,7 +263,8 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         "exact": exact,
     }
     if run_cfg is not None:
-        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir))
+        result["step"] = run_cfg.evaluated_step
+        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
     if baseline:
         counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
         for ids in prompt_ids:
@@ -281,14 +297,26 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--k", type=int, default=3, help="draft tokens per round")
     ap.add_argument("--max-new", type=int, default=64, help="tokens to generate per prompt")
     ap.add_argument("--prompts", type=int, default=16, help="prompts to use (the first N samples)")
-    ap.add_argument("--json", default="", help="also write the result here (a run folder gets evaluate.json)")
+    ap.add_argument(
+        "--checkpoint", default="best", help="of a run folder: best, latest or a checkpoint folder"
+    )
+    ap.add_argument(
+        "--json", default="", help="also write the result here (a run folder appends to evaluate.jsonl)"
+    )
     args = ap.parse_args(argv)
     result = evaluate(
-        args.target, args.drafter, args.data, k=args.k, max_new=args.max_new, prompts=args.prompts
-    )
-    out = Path(args.json) if args.json else None
-    if out is None and (Path(args.drafter) / "status.json").is_file():
-        out = Path(args.drafter) / "evaluate.json"
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        args.target, args.drafter, args.data, k=args.k, max_new=args.max_new, prompts=args.prompts,
+        checkpoint=args.checkpoint,
+    )  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if "step" in result:
+        record_evaluation(Path(args.drafter), result)
     return 0 if result["exact"] else 1
+
+
+def record_evaluation(run_dir: Path, result: dict) -> None:
+    """One line in RUN/evaluate.jsonl per evaluation of one of the run's checkpoints: `eagle3 report` plots its
+    tau_real beside the validation's simulated acceptance length."""
+    with (run_dir / EVALUATE_FILE).open("a") as f:
+        f.write(json.dumps({"time": time.time(), **result}) + "\n")

@@ -49,6 +49,7 @@ class Run:
     label: str
     train: list[dict] = field(default_factory=list)
     val: list[dict] = field(default_factory=list)
+    evaluated: list[dict] = field(default_factory=list)  # `eagle3 evaluate` results (evaluate.jsonl)
     gpu: list[dict] = field(default_factory=list)
     status: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -111,6 +112,10 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         (run.val if record.get("kind") == "val" else run.train).append(record)
     run.train = [r for r in run.train if isinstance(r.get("step"), int | float)]
     run.gpu = [r for r in read_jsonl(run_dir / "telemetry.jsonl", run.skipped) if r.get("kind") == "gpu"]
+    run.evaluated = [
+        r for r in read_jsonl(run_dir / "evaluate.jsonl", run.skipped)
+        if isinstance(r.get("step"), int) and isinstance(r.get("tau_real"), int | float)
+    ]  # fmt: skip
     try:
         run.status = json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError) as e:
@@ -206,6 +211,10 @@ def render_figure(runs: list[Run]):
             ax.plot(xs, ys, "o-", color=f"C{i % 10}", label=f"{run.label} (target vocab)")
             dx, dy = _series(run.val, "acceptance_length_draft_vocab")
             ax.plot(dx, dy, "x:", color=f"C{i % 10}", alpha=0.6, label=f"{run.label} (draft vocab bound)")
+            drawn = True
+        if run.evaluated:  # measured by speculative decoding (eagle3 evaluate), K drafts per round
+            ex, ey = _series(run.evaluated, "tau_real")
+            ax.plot(ex, ey, "*", markersize=11, color=f"C{i % 10}", label=f"{run.label} (tau_real, evaluate)")
             drawn = True
     if drawn:
         ax.set_xlabel("step")
@@ -338,6 +347,8 @@ def summary(runs: list[Run], title: str, skipped: list[str], image: str) -> dict
                 "max_seq_len": r.status.get("max_seq_len") or r.config.get("max_seq_len"),
                 "train_records": len(r.train),
                 "val_records": len(r.val),
+                # tau_real measured by `eagle3 evaluate` at checkpoints of the run: [step, tau_real, k]
+                "tau_real": [[e["step"], e["tau_real"], e.get("k")] for e in r.evaluated],
                 "gpu_samples": len(r.gpu),
                 "planned_peak_gb": r.planned_gb,
                 "planner": r.planned_note,

@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from eagle3.evaluate import FrequentTokenProposer, TargetRunner, evaluate, greedy, speculative
+from eagle3.evaluate import (
+    FrequentTokenProposer,
+    TargetRunner,
+    evaluate,
+    greedy,
+    record_evaluation,
+    speculative,
+)
 from eagle3.generate import generate
+from eagle3.report import write_report
 from eagle3.tiny_target import cached
 from transformers import AutoModelForCausalLM
 
@@ -68,3 +76,8 @@ def test_a_trained_drafter_beats_the_most_frequent_token_and_decodes_exactly(tin
     assert result["exact"]
     assert result["tau_real"] > result["tau_frequent_token"] + 0.05, result
     assert result["tau_simulated"] is not None and len(result["acceptance_per_position"]) == 3
+    assert result["step"] == 100  # the best checkpoint's step: the run validated there
+    # the report page plots it beside the simulated curve
+    record_evaluation(tmp_path / "run", result)
+    info = write_report([str(tmp_path / "run")], tmp_path / "report.png")
+    assert info["runs"][0]["tau_real"] == [[100, result["tau_real"], 3]]
