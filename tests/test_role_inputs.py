@@ -29,9 +29,9 @@ spec = importlib.util.spec_from_file_location("role_inputs", ROOT / "plugins" / 
 ri = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ri)
 
-# The roles of the four playbooks (status.yml's own variables are the "status" table).
+# The roles of the six playbooks (status.yml's own variables are the "status" table).
 ROLES = ["eagle3_train", "gpu_cleanup", "run_lock", "ct_running", "local_ct", "pve_gpu_host", "pve_gpu_container",
-         "gpu_userspace"]  # fmt: skip
+         "gpu_userspace", "eagle3_datagen", "eagle3_evaluate"]  # fmt: skip
 
 HOSTILE = [
     "/tmp; rm -rf /",  # a command after the path
@@ -231,6 +231,8 @@ def run(playbook: str, inventory: Path, extra: dict, *flags: str) -> subprocess.
     [
         ("train.yml", ["eagle3_train", "gpu_cleanup", "run_lock"], ()),
         ("cleanup.yml", ["gpu_cleanup", "run_lock"], ()),
+        ("datagen.yml", ["eagle3_datagen", "run_lock"], ()),
+        ("evaluate.yml", ["eagle3_evaluate", "run_lock"], ()),
         ("status.yml", ["status", "gpu_cleanup", "eagle3_train"], ()),
         ("provision.yml", ["local_ct"], ()),
         ("provision.yml", ["pve_gpu_host"], ("--tags", "pve_host")),

@@ -266,7 +266,13 @@ def main(argv: list[str]) -> int:
     for key in ("steps", "seed", "vocab_size", "hidden_size", "num_layers", "batch", "seq_len"):
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=getattr(defaults, key))
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    ap.add_argument(
+        "--if-missing", action="store_true", help="do nothing when OUT_DIR holds a complete build"
+    )
     args = ap.parse_args(argv)
+    if args.if_missing and (Path(args.out_dir) / INFO_FILE).is_file():
+        print(f"tiny-target: {args.out_dir} is complete already", flush=True)
+        return 0
     if args.threads:
         import torch
 
