@@ -111,6 +111,8 @@ def main() -> int:
             if baseline is None:
                 baseline = result["tau_frequent_token"]
             rows.append((name, step, result.get("tau_simulated"), result))
+            print(f"  {name} step {step}: tau_sim {result.get('tau_simulated')} tau_real {result['tau_real']:.3f} "
+                  f"exact {result['exact']}", flush=True)  # fmt: skip
         print(f"{name}: {args.steps} steps in {train_seconds:.0f} s")
     print(f"\nmost-frequent-token drafter: tau_real {baseline:.3f}")
     print(f"{'drafter':<18} {'step':>5} {'tau_sim':>8} {'tau_real':>9} {'accept/pos (K=3)':>24} {'exact':>6}")

@@ -541,6 +541,29 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 - safe_open is not iterable
 
 
+def sample_tensors(
+    i: int,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    last_hidden: torch.Tensor,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The tensors of sample `i` as a shard stores them: hidden states in `dtype`, or float8 with their scales."""
+    out = {
+        sample_key(i, "input_ids"): input_ids.to(torch.long).contiguous(),
+        sample_key(i, "loss_mask"): loss_mask.to(torch.uint8).contiguous(),
+    }
+    for name, value, parts in (("aux_hidden", aux_hidden, 3), ("last_hidden", last_hidden, 1)):
+        if dtype == FP8:
+            q, scale = quantize_fp8(value, parts)
+            out[sample_key(i, name)] = q.contiguous()
+            out[sample_key(i, name + SCALE_SUFFIX)] = scale.contiguous()
+        else:
+            out[sample_key(i, name)] = value.to(dtype).contiguous()
+    return out
+
+
 class DatasetWriter:
     """Append samples, roll shards at `shard_tokens`, then `finish()` writes vocab, target and index.
 
@@ -582,17 +605,9 @@ class DatasetWriter:
             raise DataError(
                 f"sample {self.num_samples}: loss_mask has {loss_mask.numel()} entries, input_ids {length}"
             )
-        i = self.num_samples
-        self._pending[sample_key(i, "input_ids")] = input_ids.to(torch.long).contiguous()
-        self._pending[sample_key(i, "loss_mask")] = loss_mask.to(torch.uint8).contiguous()
-        if self.dtype == FP8:
-            for name, value, parts in (("aux_hidden", aux_hidden, 3), ("last_hidden", last_hidden, 1)):
-                q, scale = quantize_fp8(value, parts)
-                self._pending[sample_key(i, name)] = q.contiguous()
-                self._pending[sample_key(i, name + SCALE_SUFFIX)] = scale.contiguous()
-        else:
-            self._pending[sample_key(i, "aux_hidden")] = aux_hidden.to(self.dtype).contiguous()
-            self._pending[sample_key(i, "last_hidden")] = last_hidden.to(self.dtype).contiguous()
+        self._pending.update(
+            sample_tensors(self.num_samples, input_ids, loss_mask, aux_hidden, last_hidden, self.dtype)
+        )
         self._pending_lengths.append(length)
         self._pending_tokens += length
         self.num_samples += 1

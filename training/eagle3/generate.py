@@ -308,11 +308,12 @@ def generate(
 
     from eagle3.data import (
         DTYPES,
+        FP8,
         INDEX_FILE,
         DatasetWriter,
         build_vocab_mapping,
         masked_token_counts,
-        sample_key,
+        sample_tensors,
     )
 
     target, out = Path(target_dir), Path(out_dir)
@@ -322,6 +323,7 @@ def generate(
         )
     if dtype not in DTYPES:
         raise ConfigError(f"generate: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    store = DTYPES[dtype]
     if shard_samples < 1 or max_len < 2:
         raise ConfigError("generate: --shard-samples must be at least 1 and --max-len at least 2")
     if (out / INDEX_FILE).is_file():
@@ -390,7 +392,7 @@ def generate(
             return False
         try:
             with safe_open(str(path), framework="pt") as f:
-                return len(list(f.keys())) == 4 * len(shards[n])
+                return len(list(f.keys())) == (6 if store == FP8 else 4) * len(shards[n])
         except Exception:
             return False
 
@@ -405,7 +407,6 @@ def generate(
     model = (
         AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
     )
-    store = DTYPES[dtype]
     todo_samples = sum(len(shards[n]) for n in todo)
     todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in shards[n])
     started, done_samples, done_tokens, last_line = time.monotonic(), 0, 0, 0.0
@@ -418,10 +419,12 @@ def generate(
                 with torch.inference_mode():
                     model.model(input_ids=ids[None])  # the decoder stack: the head is not needed
                 aux = torch.cat([hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
-                tensors[sample_key(i, "input_ids")] = ids.cpu()
-                tensors[sample_key(i, "loss_mask")] = torch.tensor(samples[i].loss_mask, dtype=torch.uint8)
-                tensors[sample_key(i, "aux_hidden")] = aux.to(store).cpu().contiguous()
-                tensors[sample_key(i, "last_hidden")] = hooks.kept["last"][0].to(store).cpu().contiguous()
+                last = hooks.kept["last"][0]
+                tensors.update(
+                    sample_tensors(
+                        i, ids.cpu(), torch.tensor(samples[i].loss_mask), aux.cpu(), last.cpu(), store
+                    )
+                )
                 done_samples += 1
                 done_tokens += ids.numel()
             path = out / SHARD_NAME.format(n)

@@ -194,3 +194,19 @@ def test_regenerate_replaces_the_responses_by_the_targets_own_and_resumes(tiny_t
     path.write_text(json.dumps(regenerated[0]) + "\n" + '{"messages": [{"role": "us')  # a torn second line
     generate(tiny_target, data, tmp_path / "again", regenerate_responses=True, **quiet)
     assert path.read_text() == (tmp_path / "ds" / "regenerated.jsonl").read_text()
+
+
+def test_8bit_generation_reads_back_as_the_bf16_one_within_e4m3_precision(tiny_target, tmp_path):
+    data = conversations(tmp_path / "chat.jsonl", count=3)
+    quiet = {"log": lambda *a, **k: None, "max_len": 256, "shard_samples": 2}
+    bf16 = DatasetReader(generate(tiny_target, data, tmp_path / "bf16", dtype="float32", **quiet).parent)
+    fp8 = DatasetReader(generate(tiny_target, data, tmp_path / "fp8", dtype="float8_e4m3fn", **quiet).parent)
+    fp8.validate()
+    for i in range(3):
+        exact, small = bf16.sample(i), fp8.sample(i)
+        assert torch.equal(exact["input_ids"], small["input_ids"])
+        for key in ("aux_hidden", "last_hidden"):
+            err = (small[key].float() - exact[key]).abs().amax(dim=-1)
+            assert (err <= exact[key].abs().amax(dim=-1) / 16 + 1e-6).all(), key
+    row = fp8.read_row([0, 1, 2], 1024)
+    assert row["aux_hidden"].dtype == torch.bfloat16
