@@ -367,7 +367,6 @@ def generate(
                 "regenerate": {"temperature": temperature, "seed": seed, "max_new": regenerate_max_new}
                 if regenerate_responses else None}  # fmt: skip
     digest = _plan_digest(samples, settings)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "shards").mkdir(exist_ok=True)
     plan_path = out / PLAN_FILE
     if rank == 0:
@@ -400,13 +399,6 @@ def generate(
     todo = [n for n in mine if not complete(n)]
     if len(todo) < len(mine):
         log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
-    )
-    model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = (
-        AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
-    )
     todo_samples = sum(len(shards[n]) for n in todo)
     todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in shards[n])
     started, done_samples, done_tokens, last_line = time.monotonic(), 0, 0, 0.0

@@ -25,6 +25,9 @@ from eagle3.tiny_target import cached
 from transformers import AutoModelForCausalLM
 
 TRAINING = Path(__file__).resolve().parents[1]
+# The first use builds the tiny target (scripts/test.sh builds it beforehand, beside lint): a pytest run alone may
+# spend minutes in that fixture on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,9 @@ from eagle3.train import drafter_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TRAINING = Path(__file__).resolve().parents[1]
+# The first use builds the tiny target (scripts/test.sh builds it beforehand, beside lint): a pytest run alone may
+# spend minutes in that fixture on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="session")
