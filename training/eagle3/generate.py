@@ -298,12 +298,10 @@ def generate(
     seed: int = 0,
     regenerate_max_new: int = 512,
     log=print,
-    _after_shard=None,
 ) -> Path | None:
     """Write the dataset (see the module's docstring); returns index.json's path on rank 0, None elsewhere."""
     import torch
     from safetensors import safe_open
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from eagle3.data import (
@@ -313,7 +311,6 @@ def generate(
         DatasetWriter,
         build_vocab_mapping,
         masked_token_counts,
-        sample_tensors,
     )
 
     target, out = Path(target_dir), Path(out_dir)
@@ -399,48 +396,7 @@ def generate(
     todo = [n for n in mine if not complete(n)]
     if len(todo) < len(mine):
         log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
-    todo_samples = sum(len(shards[n]) for n in todo)
-    todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in shards[n])
-    started, done_samples, done_tokens, last_line = time.monotonic(), 0, 0, 0.0
-    hooks = HiddenStates(model, layers)
-    try:
-        for n in todo:
-            tensors = {}
-            for i in shards[n]:
-                ids = torch.tensor(samples[i].input_ids, dtype=torch.long, device=dev)
-                with torch.inference_mode():
-                    model.model(input_ids=ids[None])  # the decoder stack: the head is not needed
-                aux = torch.cat([hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
-                last = hooks.kept["last"][0]
-                tensors.update(
-                    sample_tensors(
-                        i, ids.cpu(), torch.tensor(samples[i].loss_mask), aux.cpu(), last.cpu(), store
-                    )
-                )
-                done_samples += 1
-                done_tokens += ids.numel()
-            path = out / SHARD_NAME.format(n)
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
-            if _after_shard is not None:
-                _after_shard(n)
-            if os.environ.get(FAULT_KILL_ENV, "") == str(n):
-                import signal
-
-                os.kill(os.getpid(), signal.SIGKILL)
-            now = time.monotonic()
-            if now - last_line >= 10 or done_samples == todo_samples:
-                rate = done_tokens / max(now - started, 1e-9)
-                eta = (todo_tokens - done_tokens) / max(rate, 1e-9)
-                log(
-                    f"generate: rank {rank}: {done_samples}/{todo_samples} samples, {done_tokens} tokens, "
-                    f"{rate:,.0f} tokens/s, ETA {eta:.0f} s",
-                    flush=True,
-                )
-                last_line = now
-    finally:
-        hooks.close()
+    _write_shards(model, layers, samples, shards, todo, out, store, rank, log)
     if rank != 0:
         return None
     deadline = time.monotonic() + 24 * 3600
@@ -488,6 +444,58 @@ def generate(
         flush=True,
     )
     return index
+
+
+def _write_shards(model, layers, samples: list[Sample], shards: list[range], todo: list[int], out: Path, store,
+                  rank: int, log) -> None:  # fmt: skip
+    """Run the target over the samples of each shard in `todo` and write the shard under a temporary name, renamed
+    when complete; a progress line at most every 10 s."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3.data import sample_tensors
+
+    dev = next(model.parameters()).device
+    todo_samples = sum(len(shards[n]) for n in todo)
+    todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in shards[n])
+    started, done_samples, done_tokens, last_line = time.monotonic(), 0, 0, 0.0
+    hooks = HiddenStates(model, layers)
+    try:
+        for n in todo:
+            tensors = {}
+            for i in shards[n]:
+                ids = torch.tensor(samples[i].input_ids, dtype=torch.long, device=dev)
+                with torch.inference_mode():
+                    model.model(input_ids=ids[None])  # the decoder stack: the head is not needed
+                aux = torch.cat([hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
+                last = hooks.kept["last"][0]
+                tensors.update(
+                    sample_tensors(
+                        i, ids.cpu(), torch.tensor(samples[i].loss_mask), aux.cpu(), last.cpu(), store
+                    )
+                )
+                done_samples += 1
+                done_tokens += ids.numel()
+            path = out / SHARD_NAME.format(n)
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
+            if os.environ.get(FAULT_KILL_ENV, "") == str(n):
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            now = time.monotonic()
+            if now - last_line >= 10 or done_samples == todo_samples:
+                rate = done_tokens / max(now - started, 1e-9)
+                eta = (todo_tokens - done_tokens) / max(rate, 1e-9)
+                log(
+                    f"generate: rank {rank}: {done_samples}/{todo_samples} samples, {done_tokens} tokens, "
+                    f"{rate:,.0f} tokens/s, ETA {eta:.0f} s",
+                    flush=True,
+                )
+                last_line = now
+    finally:
+        hooks.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
