@@ -308,9 +308,6 @@ def generate(
         DTYPES,
         FP8,
         INDEX_FILE,
-        DatasetWriter,
-        build_vocab_mapping,
-        masked_token_counts,
     )
 
     target, out = Path(target_dir), Path(out_dir)
@@ -399,6 +396,19 @@ def generate(
     _write_shards(model, layers, samples, shards, todo, out, store, rank, log)
     if rank != 0:
         return None
+    return _finish(
+        model, config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, log
+    )
+
+
+def _finish(model, config, target: Path, samples: list[Sample], shards: list[range], complete, out: Path, store,
+            vocab: int, draft: int, layers, settings: dict, log) -> Path:  # fmt: skip
+    """Rank 0, once every shard is complete: the draft vocabulary, the target's weights and config, index.json."""
+    import torch
+
+    from eagle3.data import DatasetWriter, build_vocab_mapping, masked_token_counts
+
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     deadline = time.monotonic() + 24 * 3600
     while not all(complete(n) for n in range(len(shards))):  # the other ranks' shards
         if time.monotonic() > deadline:
