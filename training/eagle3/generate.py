@@ -362,21 +362,8 @@ def generate(
                 if regenerate_responses else None}  # fmt: skip
     digest = _plan_digest(samples, settings)
     (out / "shards").mkdir(exist_ok=True)
-    plan_path = out / PLAN_FILE
     if rank == 0:
-        if plan_path.is_file():
-            old = json.loads(plan_path.read_text())
-            if old.get("digest") != digest:
-                raise ConfigError(
-                    f"generate: {out} holds shards of another generation (other target, data or settings: "
-                    f"{old.get('settings')}); resume with the same arguments or choose another folder"
-                )
-        else:
-            tmp = plan_path.with_suffix(".tmp")
-            tmp.write_text(
-                json.dumps({"digest": digest, "settings": settings, "samples": len(samples)}) + "\n"
-            )
-            os.replace(tmp, plan_path)
+        _claim_folder(out, digest, settings, len(samples))
     shards = [range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)]
 
     def complete(n: int) -> bool:
@@ -399,6 +386,22 @@ def generate(
     return _finish(
         model, config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, log
     )
+
+
+def _claim_folder(out: Path, digest: str, settings: dict, count: int) -> None:
+    """Record which generation this folder holds (generate_plan.json), or refuse one that holds another."""
+    plan_path = out / PLAN_FILE
+    if plan_path.is_file():
+        old = json.loads(plan_path.read_text())
+        if old.get("digest") != digest:
+            raise ConfigError(
+                f"generate: {out} holds shards of another generation (other target, data or settings: "
+                f"{old.get('settings')}); resume with the same arguments or choose another folder"
+            )
+    else:
+        tmp = plan_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"digest": digest, "settings": settings, "samples": count}) + "\n")
+        os.replace(tmp, plan_path)
 
 
 def _finish(model, config, target: Path, samples: list[Sample], shards: list[range], complete, out: Path, store,
