@@ -6,7 +6,8 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_FORCE_COLOR=false PY_COLORS=0 NO_COLOR=1
+# COLUMNS: molecule's output is not folded at 80 columns, so a failure's message stays on one searchable line.
+export PATH="$ROOT/.venv/bin:$PATH" ANSIBLE_FORCE_COLOR=false PY_COLORS=0 NO_COLOR=1 COLUMNS=250
 REPORTS=$(mktemp -d /tmp/eagle3-test.XXXXXX)
 trap 'rm -rf "$REPORTS"' EXIT
 
@@ -19,12 +20,19 @@ stage() {  # stage NAME CMD...: a stage that counts as one test
     local name=$1; shift
     local t0=$SECONDS
     printf '\n=== %s: %s\n' "$name" "$*"
-    if "$@"; then
+    if "$@" 2>&1 | tee "$REPORTS/stage-$name.log"; then
         passed=$((passed + 1)); printf '=== %s: ok (%ss)\n' "$name" $((SECONDS - t0)); timing "$name" "$t0" ok
     else
         failed=$((failed + 1)); failures+=("$name"); printf '=== %s: FAILED (%ss)\n' "$name" $((SECONDS - t0))
         timing "$name" "$t0" FAILED
     fi
+}
+digest() {  # digest NAME: why a failed stage failed, printed again near the end (CI keeps only the output's tail)
+    local log="$REPORTS/stage-$1.log"
+    [ -f "$log" ] || log="$REPORTS/$1.log"
+    [ -f "$log" ] || return 0
+    printf '\n--- why %s failed: its fatal, failed and error lines, each with what follows (from its log) ---\n' "$1"
+    grep -a -A14 -E 'fatal: \[|failed: \[|FAILED! =>|Traceback|^E  |^FAILED |^ERROR ' "$log" | tail -80 | cut -c1-400
 }
 pytest_run() {  # pytest_run NAME PYTHON DIR ARGS...: runs one tier into $REPORTS/NAME.{log,xml,rc,secs}
     local name=$1 py=$2 dir=$3; shift 3
@@ -135,6 +143,7 @@ echo "stage wall times:"
 [ -z "${EAGLE3_SETUP_SECONDS:-}" ] || printf '  %-22s %6ss  %s\n' setup "$EAGLE3_SETUP_SECONDS" ok
 printf '  %s\n' "${timings[@]}"
 printf '  %-22s %6ss\n' total $((SECONDS - SUITE_START + ${EAGLE3_SETUP_SECONDS:-0}))
+for f in "${failures[@]}"; do digest "${f%% (*}"; done
 [ ${#failures[@]} -eq 0 ] || printf 'failed stages: %s\n' "${failures[*]}"
 echo "summary: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

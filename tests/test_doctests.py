@@ -1,5 +1,5 @@
-"""Every worked example in the controller side's docstrings holds: module_utils, the project's plugins and the roles'
-filter plugins. A file with examples that none of its doctests reach (an import that hides them) fails too."""
+"""Every worked example in the controller side's docstrings holds: module_utils, the project's plugins, the roles'
+filter plugins and the modules that have examples. A file with examples that none of its doctests reach (an import that hides them) fails too."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_UTILS = sorted(p for p in (ROOT / "module_utils").glob("*.py") if p.name != "__init__.py")
 PLUGINS = sorted((ROOT / "plugins").glob("*/*.py")) + sorted(ROOT.glob("roles/*/filter_plugins/*.py"))
+LIBRARY = sorted(
+    p for p in (ROOT / "library").glob("*.py") if ">>>" in p.read_text()
+)  # modules with examples
 
 
 def load(path: Path):
@@ -24,7 +27,7 @@ def load(path: Path):
     return module
 
 
-@pytest.mark.parametrize("path", MODULE_UTILS + PLUGINS, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", MODULE_UTILS + PLUGINS + LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
 def test_docstring_examples_hold(path):
     results = doctest.testmod(load(path))
     assert results.failed == 0

@@ -231,7 +231,7 @@ def run(playbook: str, inventory: Path, extra: dict, *flags: str) -> subprocess.
     [
         ("train.yml", ["eagle3_train", "gpu_cleanup", "run_lock"], ()),
         ("cleanup.yml", ["gpu_cleanup", "run_lock"], ()),
-        ("datagen.yml", ["eagle3_datagen", "run_lock"], ()),
+        ("datagen.yml", ["eagle3_datagen", "run_lock", "gpu_cleanup"], ()),
         ("evaluate.yml", ["eagle3_evaluate", "run_lock"], ()),
         ("status.yml", ["status", "gpu_cleanup", "eagle3_train"], ()),
         ("provision.yml", ["local_ct"], ()),

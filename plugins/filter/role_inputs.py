@@ -373,6 +373,7 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "gpu_cleanup_gpu_memory_tolerance_mib": {"kind": "int", "min": 0},
         "gpu_cleanup_respawn_window": {"kind": "float", "min": 0.0},
         "gpu_cleanup_spare_unit": {"kind": "bool"},
+        "gpu_cleanup_other_units": {"kind": "list", "of": "unit", "empty": True},
     },
     "eagle3_datagen": {
         "eagle3_datagen_target": {"kind": "abspath"},
