@@ -279,7 +279,7 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         f"{result['tokens']} tokens); acceptance per position {result['acceptance_per_position']}; "
         f"speedup {result['speedup']:.2f}x on this machine (full-recompute target forward); output equals greedy: "
         f"{exact}"
-        + (f"; simulated tau {result['tau_simulated']}" if result.get("tau_simulated") is not None else "")
+        + (f"; simulated tau {result['tau_simulated']:.3f}" if result.get("tau_simulated") is not None else "")
         + (f"; most-frequent-token drafter: tau {result['tau_frequent_token']:.3f}" if baseline else ""),
         flush=True,
     )
