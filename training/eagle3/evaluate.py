@@ -274,12 +274,13 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         for ids in prompt_ids:
             base.add(speculative(runner, FrequentTokenProposer(frequent), ids, max_new, k, eos)[1])
         result["tau_frequent_token"] = round(base.tau, 4)
+    simulated = result.get("tau_simulated")
     log(
         f"evaluate: tau_real {result['tau_real']:.3f} tokens per target forward (K={k}, {result['prompts']} prompts, "
         f"{result['tokens']} tokens); acceptance per position {result['acceptance_per_position']}; "
         f"speedup {result['speedup']:.2f}x on this machine (full-recompute target forward); output equals greedy: "
         f"{exact}"
-        + (f"; simulated tau {result['tau_simulated']:.3f}" if result.get("tau_simulated") is not None else "")
+        + (f"; simulated tau {simulated:.3f}" if simulated is not None else "")
         + (f"; most-frequent-token drafter: tau {result['tau_frequent_token']:.3f}" if baseline else ""),
         flush=True,
     )
