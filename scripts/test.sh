@@ -31,8 +31,13 @@ digest() {  # digest NAME: why a failed stage failed, printed again near the end
     local log="$REPORTS/stage-$1.log"
     [ -f "$log" ] || log="$REPORTS/$1.log"
     [ -f "$log" ] || return 0
-    printf '\n--- why %s failed: its fatal, failed and error lines, each with what follows (from its log) ---\n' "$1"
-    grep -a -A14 -E 'fatal: \[|failed: \[|FAILED! =>|Traceback|^E  |^FAILED |^ERROR ' "$log" | tail -80 | cut -c1-400
+    local pattern='fatal: \[|failed: \[|FAILED! =>|Traceback|^E  |^FAILED |^ERROR |would be reformatted|^[A-Z]+[0-9]+ '
+    printf '\n--- why %s failed (from its log: each fatal, failed or error line with what follows, else its end) ---\n' "$1"
+    if grep -a -q -E "$pattern" "$log"; then
+        grep -a -A14 -E "$pattern" "$log" | tail -80 | cut -c1-400
+    else
+        tail -30 "$log" | cut -c1-400
+    fi
 }
 pytest_run() {  # pytest_run NAME PYTHON DIR ARGS...: runs one tier into $REPORTS/NAME.{log,xml,rc,secs}
     local name=$1 py=$2 dir=$3; shift 3
