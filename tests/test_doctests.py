@@ -1,5 +1,6 @@
 """Every worked example in the controller side's docstrings holds: module_utils, the project's plugins, the roles'
-filter plugins and the modules that have examples. A file with examples that none of its doctests reach (an import that hides them) fails too."""
+filter plugins and the modules in library/ that have examples. A file with examples that none of its doctests reach
+(an import that hides them) fails too."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_UTILS = sorted(p for p in (ROOT / "module_utils").glob("*.py") if p.name != "__init__.py")
 PLUGINS = sorted((ROOT / "plugins").glob("*/*.py")) + sorted(ROOT.glob("roles/*/filter_plugins/*.py"))
-LIBRARY = sorted(
-    p for p in (ROOT / "library").glob("*.py") if ">>>" in p.read_text()
-)  # modules with examples
+LIBRARY = sorted(p for p in (ROOT / "library").glob("*.py") if ">>>" in p.read_text())
 
 
 def load(path: Path):
