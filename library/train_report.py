@@ -118,6 +118,11 @@ last_stop:
       lost since the last checkpoint (at least; status.json holds the last logged step).
   type: dict
   returned: always
+tensorboard:
+  description: The run's TensorBoard folder (C(dir)) and its number of event files (C(event_files), one per start of
+    the trainer); {} when the trainer wrote none.
+  type: dict
+  returned: always
 status_age_s:
   description: Seconds since the trainer last rewrote status.json (the target's clock), null without one.
   type: int
@@ -145,6 +150,7 @@ from ansible.module_utils.restart_backoff import read_state
 from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state, unit_workers
 
 LAST_STOP_FILE = "last-stop.json"  # written by eagle3.launch when a stop had to SIGKILL workers
+TENSORBOARD_DIR = "tensorboard"  # eagle3.observe's folder of event files in the run directory
 
 
 def started_at(unit: dict) -> float:
@@ -152,6 +158,16 @@ def started_at(unit: dict) -> float:
     if not mono_us:
         return 0.0
     return time.time() - (time.monotonic() - mono_us / 1e6)
+
+
+def tensorboard_events(run_dir: str) -> dict:
+    """The run's TensorBoard folder and how many event files it holds ({} when the trainer wrote none)."""
+    folder = os.path.join(run_dir, TENSORBOARD_DIR)
+    try:
+        files = [n for n in os.listdir(folder) if n.startswith("events.out.tfevents.")]
+    except OSError:
+        return {}
+    return {"dir": folder, "event_files": len(files)} if files else {}
 
 
 def main():
@@ -191,6 +207,7 @@ def main():
     module.exit_json(
         changed=False,
         hostname=socket.gethostname(),
+        tensorboard=tensorboard_events(p["run_dir"]),
         run=run,
         status=status or {},
         unit={k: unit.get(k) for k in ("ActiveState", "SubState", "Result", "NRestarts", "ExecMainStatus")},

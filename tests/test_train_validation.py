@@ -100,6 +100,8 @@ BAD = {
     "host": [("", "has the wrong form"), ("a b", "has the wrong form"), ("$(id)", "has the wrong form")],
     "run_id": [("", "has the wrong form"), ("run 1", "has the wrong form"), ("x" * 65, "has the wrong form")],
     "ifname": [("eth 0", "has the wrong form"), ("x" * 16, "has the wrong form")],
+    "listen_address": [("9100", "has the wrong form"), ("0.0.0.0:9100 --web.x", "has the wrong form"),
+                       ("127.0.0.1:$PORT", "has the wrong form")],
     "ib_hca": [("mlx5_0;id", "has the wrong form")],
     "list": [("--a b", "is not a list"), ({"a": 1}, "is not a list"), ([["x"]], "")],
     "int_list": [("10,30", "is not a list of whole numbers"), ([], "is not a list of whole numbers"),
@@ -118,6 +120,7 @@ CASES = [
     if entry["kind"] != "bool"
     for value, says in BAD[entry["kind"]]
     if not (entry.get("empty") and value == "")  # "" means "not set" for these
+    and not (value == "-7" and entry.get("min", 0) <= -7)  # a negative value in range (eagle3_train_nice)
 ]
 
 

@@ -268,6 +268,9 @@ KINDS = {
         r"[=^]{0,2}[A-Za-z0-9_]+(:[0-9]+)?(,[A-Za-z0-9_]+(:[0-9]+)?)*",
         "NCCL_IB_HCA's syntax, e.g. mlx5_0,mlx5_1",
     ),
+    "listen_address": _kind(
+        r"([A-Za-z0-9.-]*|\[[0-9A-Fa-f:]+\]):[0-9]{1,5}", "HOST:PORT or :PORT, e.g. 127.0.0.1:9100 or :9100"
+    ),
     "run_id": _kind(r"[A-Za-z0-9_.-]{1,64}", "an id of letters, digits, _ . - (at most 64)"),
     "command": _command(),
     "flag": _flag(),
@@ -352,6 +355,10 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "eagle3_train_stop_timeout": {"kind": "int", "min": 1},
         "eagle3_train_kill_after": {"kind": "int", "min": 1},
         "eagle3_train_restart_sec": {"kind": "int", "min": 0},
+        "eagle3_train_nice": {"kind": "int", "min": -20, "max": 19},
+        "eagle3_train_node_exporter": {"kind": "bool"},
+        "eagle3_train_node_exporter_listen": {"kind": "listen_address"},
+        "eagle3_train_node_exporter_textfile_dir": {"kind": "abspath"},
         "eagle3_train_restart_delays": {"kind": "int_list", "min": 0},
         "eagle3_train_restart_limit": {"kind": "int", "min": 1},
         "eagle3_train_enabled": {"kind": "bool"},
@@ -426,6 +433,7 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "local_ct_mirror": {"kind": "url"},
         "local_ct_rootfs_cache": {"kind": "abspath"},
         "local_ct_packages": {"kind": "list", "of": "deb_package"},
+        "local_ct_disabled_units": {"kind": "list", "of": "unit", "empty": True},
         "local_ct_standin_dir": {"kind": "abspath"},
         "local_ct_gpu_devices": {"kind": "raw", "why": "the role's device checks (tasks/present.yml)"},
         "local_ct_train_venv": {"kind": "abspath", "empty": True},

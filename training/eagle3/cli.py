@@ -175,6 +175,9 @@ def cmd_export(argv: list[str]) -> int:
     bar.update()
     bar.close()
     print(f"exported {path} -> {args.out_dir}", flush=True)
+    from eagle3.trackers import attach_export
+
+    attach_export(args.run_dir, args.out_dir, lambda line: print(line, flush=True))
     return EXIT_OK
 
 

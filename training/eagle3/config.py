@@ -25,6 +25,7 @@ import yaml
 from eagle3.errors import ConfigError
 from eagle3.options import PACKINGS, check_attention, checkpoint_mode
 from eagle3.rope import normalize_rope_scaling
+from eagle3.trackers import TRACKERS
 
 # flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
 SEQ_BLOCK = 128
@@ -257,6 +258,12 @@ class TrainConfig:
     tensorboard: bool = option(
         True, "TensorBoard event files in run_dir/tensorboard when the tensorboard package is installed"
     )
+    tracker: str = option(
+        "none", "an experiment tracker beside TensorBoard, through its own library: mlflow, or wandb (offline, "
+        "uploaded later with wandb sync); its package must be installed", choices=TRACKERS,
+    )  # fmt: skip
+    tracker_project: str = option("eagle3", "the tracker's MLflow experiment or W&B project", bound=REQUIRED)
+    mlflow_tracking_uri: str = option("", "MLflow's tracking URI; empty: a file store in run_dir/mlruns")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

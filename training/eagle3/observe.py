@@ -350,13 +350,16 @@ class Observer:
         self.val: dict | None = None
         self.tokens_total = 0.0
         self.broken: set[str] = set()
-        self.tb = None
+        self.tb = None  # the SummaryWriter, once training starts
+        self.tb_writer = None  # its class until then
+        self.tracker = None  # eagle3.trackers: MLflow or W&B, when the config names one
         self.sampler: GpuSampler | None = None
         self._lock = threading.Lock()
         self.device_type = device_type
 
     def start(self, step: Callable[[], int]) -> Observer:
-        self.tb = self._tensorboard()
+        self.tb_writer = self._tensorboard()
+        self._guard("tracker", self._open_tracker)
         if self.cfg.telemetry_every_s > 0:
             reader, note = nvml_reader() if self.device_type == "cuda" else (None, "no GPU")
             self.sampler = GpuSampler(
@@ -374,6 +377,8 @@ class Observer:
         return self
 
     def _tensorboard(self):
+        """torch's SummaryWriter class, or None (and the log says why); the writer itself is opened with the first
+        training status (`_open_tensorboard`), when the step this start resumed from is known."""
         if not self.cfg.tensorboard:
             self.log("tensorboard: off (tensorboard: false)")
             return None
@@ -383,8 +388,24 @@ class Observer:
             self.log("tensorboard: off (the tensorboard package is not installed; pip install tensorboard to get "
                      f"event files in {self.run_dir / TENSORBOARD_DIR})")  # fmt: skip
             return None
-        self.log(f"tensorboard: event files in {self.run_dir / TENSORBOARD_DIR}")
-        return SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+        return SummaryWriter
+
+    def _open_tensorboard(self, status: dict) -> None:
+        """One event folder per run, a new events file per start. A resumed start writes a purge marker at the step
+        after its checkpoint: TensorBoard drops what an earlier start logged beyond that checkpoint (the steps this
+        start trains again), so each curve continues across restarts without a doubled stretch. A start from
+        scratch purges from step 0: a run trained again in the same run_dir replaces its old curves."""
+        writer, self.tb_writer = self.tb_writer, None
+        resumed = status.get("resumed_from_step")
+        folder = self.run_dir / TENSORBOARD_DIR
+        self.tb = writer(log_dir=str(folder), purge_step=resumed + 1 if resumed else 0)
+        self.log(f"tensorboard: event files in {folder}"
+                 + (f" (curves continue after step {resumed})" if resumed else ""))  # fmt: skip
+
+    def _open_tracker(self) -> None:
+        from eagle3.trackers import open_tracker
+
+        self.tracker = open_tracker(self.cfg, self.run_dir, self.log)
 
     def _guard(self, sink: str, fn: Callable[[], object]) -> None:
         """Run one sink's write; the first failure is logged, later ones of the same sink are silent."""
@@ -397,6 +418,8 @@ class Observer:
 
     def on_status(self, status: dict) -> None:
         self.status = dict(status)
+        if self.tb_writer is not None and status.get("phase") == "training":
+            self._guard("tensorboard", lambda: self._open_tensorboard(status))
         self._guard("prometheus textfile", self.write_prom)
 
     def on_record(self, record: dict) -> None:
@@ -408,10 +431,14 @@ class Observer:
             self.val = record
         if self.tb is not None:
             self._guard("tensorboard", lambda: self.tb_scalars(record))
+        if self.tracker is not None and "tracker" not in self.broken:
+            self._guard("tracker", lambda: self.tracker.log(tb_values(record), record["step"], now_ms()))
 
     def on_sample(self, sample: dict) -> None:
         if self.tb is not None and sample.get("gpus"):
             self._guard("tensorboard", lambda: self.tb_gpu(sample))
+        if self.tracker is not None and sample.get("gpus") and "tracker" not in self.broken:
+            self._guard("tracker", lambda: self.tracker.log(gpu_values(sample), sample["step"], now_ms()))
         self._guard("prometheus textfile", self.write_prom)
 
     def write_prom(self) -> None:
@@ -426,11 +453,8 @@ class Observer:
         self.tb.flush()
 
     def tb_gpu(self, sample: dict) -> None:
-        for g in sample["gpus"]:
-            for key in ("power_w", "util_pct", "sm_clock_mhz", "memory_used_bytes"):
-                if g.get(key) is not None:
-                    self.tb.add_scalar(f"gpu{g['index']}/{key}", g[key], sample["step"])
-            self.tb.add_scalar(f"gpu{g['index']}/starved", float(g["starved"]), sample["step"])
+        for tag, value in gpu_values(sample).items():
+            self.tb.add_scalar(tag, value, sample["step"])
 
     def close(self) -> None:
         if self.sampler is not None:
@@ -440,6 +464,27 @@ class Observer:
         if self.tb is not None:
             with contextlib.suppress(Exception):
                 self.tb.close()
+        if self.tracker is not None:
+            self._guard("tracker", lambda: self.tracker.finish(self.status.get("phase", "")))
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def gpu_values(sample: dict) -> dict[str, float]:
+    """One telemetry sample's scalars, per GPU (`gpu0/power_w`, ..., `gpu0/starved` as 0 or 1).
+
+    >>> gpu_values({"step": 3, "gpus": [{"index": 0, "power_w": 250.0, "util_pct": None, "starved": False}]})
+    {'gpu0/power_w': 250.0, 'gpu0/starved': 0.0}
+    """
+    out: dict[str, float] = {}
+    for g in sample["gpus"]:
+        for key in ("power_w", "util_pct", "sm_clock_mhz", "memory_used_bytes"):
+            if g.get(key) is not None:
+                out[f"gpu{g['index']}/{key}"] = float(g[key])
+        out[f"gpu{g['index']}/starved"] = float(g["starved"])
+    return out
 
 
 def tb_values(record: dict) -> dict[str, float]:

@@ -66,6 +66,7 @@ from eagle3.observe import Observer, ProgressLine
 from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
 from eagle3.rope import normalize_rope_scaling
 from eagle3.standin import hold_standin_device
+from eagle3.trackers import check_available as check_tracker
 from eagle3.watchdog import Watchdog, fault_hang_step, injected_hang
 
 
@@ -884,6 +885,9 @@ def main(argv: list[str]) -> int:
     observer = None
     try:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        check_tracker(
+            cfg.tracker
+        )  # a missing MLflow or W&B package: exit 2 on every rank, before any GPU work
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dist_utils.set_cuda_alloc_conf()

@@ -280,3 +280,26 @@ def test_nvml_reader_converts_units_and_flags_starvation(monkeypatch):
     assert first["starved"] is True and second["starved"] is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert nvml_reader() == (None, "no GPU")
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_trainer_writes(run):
+    """dashboards/eagle3-training.json: every metric name in its queries is one the textfile carries (a real run's
+    file, plus the GPU families from a sample, which a CPU run has none of)."""
+    from pathlib import Path
+
+    from eagle3.observe import gpu_sample
+    from prometheus_client.parser import text_string_to_metric_families
+
+    run_dir, _ = run
+    gpu = {"gpus": [gpu_sample(0, power_w=250.0, power_limit_w=600.0, util_pct=99.0, sm_clock_mhz=1.0,
+                               memory_used_bytes=1.0, memory_total_bytes=2.0)]}  # fmt: skip
+    texts = [(run_dir.parent / "textfile" / PROM_FILE).read_text(), prom_text({}, None, None, gpu, 0.0, "r")]
+    written = {s.name for text in texts for f in text_string_to_metric_families(text) for s in f.samples}
+    dashboard = json.loads((Path(__file__).parents[2] / "dashboards" / "eagle3-training.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v.get("definition")]
+    used = {name for e in exprs for name in re.findall(r"\beagle3_[a-z0-9_]+", e)}
+    assert used and used <= written, sorted(used - written)
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("loss", "acceptance", "throughput", "gpu power vs utilisation", "restarts", "stall"):
+        assert topic in titles, topic

@@ -147,8 +147,56 @@ def run_summary(reports: dict, now=None) -> list[str]:
     ]
 
 
+def in_target_command(reach: dict) -> str:
+    """The controller's command-line prefix that runs a command in the target, from its connection variables.
+
+    >>> in_target_command({"connection": "pct", "vmid": 129, "node": "localhost", "pct": "/e/bin/pct-local"})
+    '/e/bin/pct-local exec 129 --'
+    >>> in_target_command({"connection": "pct", "vmid": 129, "node": "pve1", "node_user": "root"})
+    'ssh root@pve1 pct exec 129 --'
+    >>> in_target_command({"connection": "ssh", "host": "10.0.0.5", "user": "ubuntu"})
+    'ssh ubuntu@10.0.0.5'
+    """
+    if reach.get("connection") == "pct":
+        node = reach.get("node") or ""
+        on_node = (
+            "" if node in ("", "localhost", "local") else f"ssh {reach.get('node_user') or 'root'}@{node} "
+        )
+        return f"{on_node}{reach.get('pct') or 'pct'} exec {reach.get('vmid')} --"
+    user = f"{reach['user']}@" if reach.get("user") else ""
+    return f"ssh {user}{reach.get('host')}"
+
+
+def tensorboard_lines(tensorboard: dict | None, run_dir: str, venv: str, in_target: str) -> list[str]:
+    """Where the run's TensorBoard events are and the two ways to look at them: in the target, or fetched.
+
+    >>> tensorboard_lines({"dir": "/r/tensorboard", "event_files": 2}, "/r", "/opt/v", "pct exec 129 --")
+    ... # doctest: +NORMALIZE_WHITESPACE
+    ['tensorboard: 2 event file(s) in /r/tensorboard; in the target: /opt/v/bin/tensorboard --logdir /r/tensorboard
+      --bind_all (port 6006 of its address)',
+     'on this controller: pct exec 129 -- tar -C /r -cf - tensorboard | tar -xf - && tensorboard --logdir tensorboard']
+    >>> tensorboard_lines({}, "/r", "/opt/v", "ssh node1")
+    []
+    """
+    if not (tensorboard or {}).get("event_files"):
+        return []
+    folder = tensorboard["dir"]
+    return [
+        f"tensorboard: {tensorboard['event_files']} event file(s) in {folder}; in the target: "
+        f"{venv}/bin/tensorboard --logdir {folder} --bind_all (port 6006 of its address)",
+        f"on this controller: {in_target} tar -C {run_dir} -cf - {folder.rsplit('/', 1)[-1]} | tar -xf - && "
+        f"tensorboard --logdir {folder.rsplit('/', 1)[-1]}",
+    ]
+
+
 def training_summary(
-    report: dict | None, gpus: list | None, unit_name: str = "eagle3-train.service", now=None
+    report: dict | None,
+    gpus: list | None,
+    unit_name: str = "eagle3-train.service",
+    now=None,
+    run_dir: str = "",
+    venv: str = "",
+    in_target: str = "",
 ):
     """Summary lines for train.yml and status.yml, from train_report's result and gpu_facts.
 
@@ -224,6 +272,8 @@ def training_summary(
     accept = _acceptance(s)
     if accept:
         lines.append(accept)
+    if run_dir:
+        lines.extend(tensorboard_lines(r.get("tensorboard"), run_dir, venv, in_target))
     for h in r.get("foreign_holders") or []:
         lines.append(f"GPU held outside the unit: {_holder(h)}")
     for h in r.get("protected_holders") or []:
@@ -280,6 +330,7 @@ class FilterModule:
     def filters(self):
         return {
             "training_summary": training_summary,
+            "in_target_command": in_target_command,
             "run_summary": run_summary,
             "stopped_summary": stopped_summary,
         }
