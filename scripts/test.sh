@@ -85,30 +85,47 @@ PY
 }
 
 want=("$@"); [ ${#want[@]} -gt 0 ] || want=(lint pytest molecule)
-# The tiny real target (training/eagle3/tiny_target.py) that the trainer tier and the lxc scenario share: built once
-# and cached like the root file system, in the background while lint runs (ansible-lint keeps one core busy), and
-# waited for before the tests that read it. Its wall time is its own row of the closing table.
-tiny_target_pid=""
-if [[ " ${want[*]} " == *" pytest "* || " ${want[*]} " == *" molecule "* ]]; then
-    (s0=$SECONDS
-     cd "$ROOT/training" && HF_HUB_OFFLINE=1 "$ROOT/.venv-train/bin/python" -c \
-        'from eagle3.tiny_target import cached; print(cached())' > "$REPORTS/tiny-target.log" 2>&1
-     echo $? > "$REPORTS/tiny-target.rc"; echo $((SECONDS - s0)) > "$REPORTS/tiny-target.secs") &
-    tiny_target_pid=$!
-fi
-wait_tiny_target() {  # once: the cached tiny target is in place (or its build failed, which fails the stage)
-    [ -n "$tiny_target_pid" ] || return 0
-    wait "$tiny_target_pid"
-    tiny_target_pid=""
-    local secs; secs=$(cat "$REPORTS/tiny-target.secs")
-    printf '\n=== tiny-target: %s (%ss, beside lint)\n' "$(tail -1 "$REPORTS/tiny-target.log")" "$secs"
-    if [ "$(cat "$REPORTS/tiny-target.rc")" -eq 0 ]; then
-        passed=$((passed + 1)); timing "tiny-target (beside)" $((SECONDS - secs)) ok
+wants() { [[ " ${want[*]} " == *" $1 "* ]]; }
+declare -A beside_pid=()
+beside() {  # beside NAME CMD...: a stage started in the background, into $REPORTS/stage-NAME.{log,rc,secs}
+    local name=$1; shift
+    (s0=$SECONDS; "$@" > "$REPORTS/stage-$name.log" 2>&1; echo $? > "$REPORTS/stage-$name.rc"
+     echo $((SECONDS - s0)) > "$REPORTS/stage-$name.secs") &
+    beside_pid[$name]=$!
+}
+collect() {  # collect NAME: once, waits for a background stage, prints its output and counts it as one test
+    local name=$1 rc secs
+    [ -n "${beside_pid[$name]:-}" ] || return 0
+    wait "${beside_pid[$name]}"
+    unset "beside_pid[$name]"
+    rc=$(cat "$REPORTS/stage-$name.rc") secs=$(cat "$REPORTS/stage-$name.secs")
+    printf '\n=== %s (it ran beside the stages before this line)\n' "$name"
+    cat "$REPORTS/stage-$name.log"
+    if [ "$rc" -eq 0 ]; then
+        passed=$((passed + 1)); printf '=== %s: ok (%ss)\n' "$name" "$secs"; timing "$name (beside)" $((SECONDS - secs)) ok
     else
-        cat "$REPORTS/tiny-target.log"
-        failed=$((failed + 1)); failures+=("tiny-target"); timing "tiny-target (beside)" $((SECONDS - secs)) FAILED
+        failed=$((failed + 1)); failures+=("$name"); printf '=== %s: FAILED (%ss)\n' "$name" "$secs"
+        timing "$name (beside)" $((SECONDS - secs)) FAILED
     fi
 }
+# The tiny real target (training/eagle3/tiny_target.py) that the trainer tier and the lxc scenario share: built once
+# and cached like the root file system, in the background while lint runs (ansible-lint keeps one core busy), and
+# waited for before the tests that read it.
+if wants pytest || wants molecule; then
+    beside tiny-target env -C "$ROOT/training" HF_HUB_OFFLINE=1 "$ROOT/.venv-train/bin/python" -c \
+        'from eagle3.tiny_target import cached; print(cached())'
+fi
+# The local CT's root file system (mmdebstrap, cached), for the scenarios with CTs: built beside the stages before them.
+if wants molecule; then
+    beside ct-image ansible-playbook -i inventory/local playbooks/local_ct_image.yml
+fi
+# The two light molecule scenarios (localhost; a fake PVE API: no CT, no trainer) run beside lint as well.
+early_scenarios=()
+if wants lint && wants molecule; then
+    for s in default pve; do
+        [ -f "molecule/$s/molecule.yml" ] && { beside "molecule-$s" molecule test -s "$s"; early_scenarios+=("$s"); }
+    done
+fi
 for w in "${want[@]}"; do
     case "$w" in
     lint)
@@ -117,7 +134,7 @@ for w in "${want[@]}"; do
         stage ansible-lint ansible-lint --profile production -q
         ;;
     pytest)
-        wait_tiny_target
+        collect tiny-target
         # The two tiers run side by side: the controller tier mostly waits on single-threaded ansible-playbook
         # runs and the trainer tier on torch processes, so together they fill the 2 cores better than in turn.
         # Their output is printed one tier after the other; their wall times overlap (and add up to more than
@@ -133,11 +150,23 @@ for w in "${want[@]}"; do
         timing "pytest, both tiers" "$t0" "side by side"
         ;;
     molecule)
-        wait_tiny_target
+        collect tiny-target
+        collect ct-image
         for s in default pve lxc multinode; do
-            [ -f "molecule/$s/molecule.yml" ] || { printf '\n=== molecule-%s: missing\n' "$s"; failed=$((failed + 1)); failures+=("molecule-$s (missing)"); continue; }
-            stage "molecule-$s" molecule test -s "$s"
+            [ -f "molecule/$s/molecule.yml" ] && continue
+            printf '\n=== molecule-%s: missing\n' "$s"; failed=$((failed + 1)); failures+=("molecule-$s (missing)")
         done
+        for s in default pve; do
+            [ -f "molecule/$s/molecule.yml" ] || continue
+            if [[ " ${early_scenarios[*]} " == *" $s "* ]]; then collect "molecule-$s"; else stage "molecule-$s" molecule test -s "$s"; fi
+        done
+        # The two scenarios with CTs side by side (their own lxcpaths, VMIDs and network namespace; the root file
+        # system is built above): most of their time is one task after another through pct exec, each waiting on
+        # the previous one, and the trainers in the CTs run at nice 19, so one scenario's tasks fill the gaps of
+        # the other's. multinode's output is printed after lxc's.
+        [ -f molecule/multinode/molecule.yml ] && beside molecule-multinode molecule test -s multinode
+        [ -f molecule/lxc/molecule.yml ] && stage molecule-lxc molecule test -s lxc
+        collect molecule-multinode
         ;;
     *) echo "unknown stage $w (lint|pytest|molecule)" >&2; exit 2 ;;
     esac

@@ -36,12 +36,13 @@ def scalars(folder) -> dict[str, dict[int, float]]:
 
 
 def test_tensorboard_curves_continue_across_a_resume_without_the_steps_trained_again(tmp_path):
+    """The same run also logs to MLflow: the resumed start continues the first start's MLflow run."""
     data = synth_dataset(tmp_path)
     run = tmp_path / "run"
     cfg = write_config(
         tmp_path / "train.yaml", data_dir=str(data), run_dir=str(run), max_seq_len=512, ttt_steps=2,
         max_steps=4, warmup_steps=1, log_every=1, val_every=2, val_max_batches=1, checkpoint_every=2,
-        num_threads=1, telemetry_every_s=0,
+        num_threads=1, telemetry_every_s=0, tracker="mlflow",
     )  # fmt: skip
     assert run_trainer(["train", "--config", str(cfg)], tmp_path / "a.txt", timeout=180) == 0
     first = {r["step"]: r for r in read_metrics(run)}
@@ -49,8 +50,14 @@ def test_tensorboard_curves_continue_across_a_resume_without_the_steps_trained_a
     # As if the first start had died after logging steps 3 and 4 but before its step-4 checkpoint was complete.
     shutil.rmtree(ckpt.checkpoints_dir(run) / "step_00000004")
     log = tmp_path / "b.txt"
+    first_mlflow = json.loads((run / "tracker.json").read_text())
     assert run_trainer(["train", "--config", str(cfg)], log, timeout=180) == 0
     assert "(curves continue after step 2)" in log.read_text()
+    assert (
+        f"tracker: mlflow, continuing {first_mlflow['tracking_uri']}, run {first_mlflow['run_id']}"
+        in log.read_text()
+    )
+    assert json.loads((run / "tracker.json").read_text()) == first_mlflow
     assert len(list((run / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 2  # one file per start
 
     shown = scalars(run / TENSORBOARD_DIR)
@@ -67,6 +74,24 @@ def test_tensorboard_curves_continue_across_a_resume_without_the_steps_trained_a
     vals = read_metrics(run, "val")
     assert {r["step"] for r in vals} == {2, 4}
     assert shown["val/acceptance_length"][4] == pytest.approx(vals[-1]["acceptance_length"], rel=1e-6)
+
+    from eagle3.trackers import mlflow_client
+
+    client = mlflow_client(first_mlflow["tracking_uri"])
+    assert client.get_run(first_mlflow["run_id"]).info.status == "FINISHED"
+    history = [(m.step, m.value) for m in client.get_metric_history(first_mlflow["run_id"], "train/loss")]
+    assert [step for step, _ in history] == [
+        1,
+        2,
+        3,
+        4,
+        3,
+        4,
+    ]  # append-only: both values of a step trained again
+    assert {a.path for a in client.list_artifacts(first_mlflow["run_id"], "config")} == {
+        "config/start-1.yaml",
+        "config/start-2.yaml",
+    }
 
 
 def test_gpu_power_and_utilisation_reach_tensorboard(tmp_path):
