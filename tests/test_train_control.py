@@ -325,3 +325,30 @@ def test_a_run_started_before_the_check_must_advance_to_count_as_healthy(fake_sy
         "train_health", {"run_dir": str(tmp_path), "timeout": 10, "poll_interval": 0.2}, capsys
     )
     assert rc == 0 and res["verdict"] == "healthy" and res["status"]["step"] == 501
+
+
+def test_a_rescue_that_fails_again_with_the_same_message_does_not_print_it_twice(tmp_path):
+    """The eagle3 callback: train.yml's rescue re-fails with the refusal it caught (adding the multi-node note);
+    the message shows once, the second failure says `the error above` and what it adds."""
+    play = tmp_path / "play.yml"
+    play.write_text(
+        """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - block:
+        - ansible.builtin.fail:
+            msg: max_seq_len=32768 does not fit in 2.25 GiB; Nothing was changed.
+      rescue:
+        - ansible.builtin.fail:
+            msg: "{{ ansible_failed_result.msg }} (this node was stopped)"
+"""
+    )
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "false"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", str(play)],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.count("does not fit") == 1, proc.stdout
+    assert "the error above (this node was stopped)" in proc.stdout, proc.stdout
