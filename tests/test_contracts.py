@@ -3,6 +3,7 @@
 - The restart record's file name: module_utils/restart_backoff.STATE_FILE; the unit template and the role name it.
 - The launcher's report of an escalated stop: eagle3.launch.LAST_STOP_FILE; train_report and gpu_cleanup's default
   read it.
+- The TensorBoard folder in the run directory: eagle3.observe.TENSORBOARD_DIR; train_report counts its event files.
 - Exit codes: training/eagle3/errors.py is the source. module_utils/train_status.py (the target side is stdlib only
   and cannot import the trainer), eagle3.launch's error-kind map and the unit template's RestartPreventExitStatus=
   must agree with it.
@@ -79,3 +80,13 @@ def test_the_launchers_stop_report_has_one_name():
     assert f'LAST_STOP_FILE = "{launch.LAST_STOP_FILE}"' in source
     defaults = (ROOT / "roles" / "gpu_cleanup" / "defaults" / "main.yml").read_text()
     assert re.search(rf"^gpu_cleanup_stop_report: \S+/{re.escape(launch.LAST_STOP_FILE)}$", defaults, re.M)
+
+
+def test_the_tensorboard_folder_has_one_name():
+    # eagle3.observe imports torch (absent from this venv): its declaration is read as text.
+    declared = re.search(
+        r'^TENSORBOARD_DIR = "([^"]+)"$', (ROOT / "training/eagle3/observe.py").read_text(), re.M
+    )
+    assert declared, "eagle3.observe no longer declares TENSORBOARD_DIR"
+    source = (ROOT / "library" / "train_report.py").read_text()
+    assert f'TENSORBOARD_DIR = "{declared.group(1)}"' in source

@@ -885,9 +885,8 @@ def main(argv: list[str]) -> int:
     observer = None
     try:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        check_tracker(
-            cfg.tracker
-        )  # a missing MLflow or W&B package: exit 2 on every rank, before any GPU work
+        # A missing MLflow or W&B package: exit 2 on every rank, before any GPU work.
+        check_tracker(cfg.tracker)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dist_utils.set_cuda_alloc_conf()
