@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
+from eagle3.helptext import HelpFormatter
+from eagle3.trained import load_trained
 
 USAGE = """\
 usage: python -m eagle3 COMMAND [ARGS...]    (or the `eagle3` console script)
@@ -24,24 +25,6 @@ tiny-target OUT_DIR [--steps N]                   train the tiny Llama target on
 `python -m eagle3 COMMAND --help` lists every option of a command with its type, default and meaning.
 """
 HELP_FLAGS = ("-h", "--help")
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """argparse help that adds each option's default to its one line of meaning (unless the line says it)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            action.option_strings
-            and default is not None
-            and default is not False
-            and default != argparse.SUPPRESS
-            and "%(default)" not in text
-            and "default" not in text
-        ):
-            text += " (default: %(default)s)"
-        return text
 
 
 def cmd_synth(argv: list[str]) -> int:
@@ -64,51 +47,6 @@ def cmd_plan(argv: list[str]) -> int:
               file=sys.stderr)  # fmt: skip
         return EXIT_CONFIG
     return plan_main(argv)
-
-
-def pick_checkpoint(run_dir: str, which: str) -> Path:
-    """`best` (falls back to the newest valid one when no validation ran), `latest`, or a directory path."""
-    from eagle3 import checkpoint as ckpt
-
-    if which not in ("best", "latest"):
-        path = Path(which)
-        if not (path / ckpt.MARKER).is_file():
-            raise ConfigError(
-                f"--checkpoint {which!r} is not a complete checkpoint directory (no {ckpt.MARKER})"
-            )
-        return path
-    best = ckpt.checkpoints_dir(run_dir) / ckpt.BEST
-    if which == "best" and (best / ckpt.MARKER).is_file():
-        return best
-    newest = ckpt.newest_valid(run_dir)
-    if newest is None:
-        raise ConfigError(
-            f"no valid checkpoint under {run_dir}/checkpoints; train first or pass --checkpoint PATH"
-        )
-    return newest
-
-
-def load_trained(run_dir: str, which: str = "best"):
-    """Rebuild the drafter of a run (config + dataset's frozen weights) with a checkpoint's trained weights."""
-    import json
-
-    from eagle3 import checkpoint as ckpt
-    from eagle3.config import TrainConfig
-    from eagle3.data import DatasetReader
-    from eagle3.model import Eagle3Drafter
-    from eagle3.train import drafter_config
-
-    path = pick_checkpoint(run_dir, which)
-    cfg = TrainConfig(**json.loads((path / "config.json").read_text()))
-    reader = DatasetReader(cfg.data_dir)
-    dcfg = drafter_config(cfg, reader.index)
-    model = Eagle3Drafter(dcfg)
-    t2d, d2t = reader.vocab()
-    target = reader.target_weights()
-    model.load_target_weights(target["embed"], target["final_norm"], target["lm_head"], t2d, d2t)
-    model.load_state_dict(ckpt.load_model_state(path), strict=False)
-    model.eval()
-    return model, path, cfg
 
 
 def export_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +22,9 @@ from pathlib import Path
 import yaml
 
 from eagle3.errors import ConfigError
-from eagle3.options import PACKINGS, check_attention, checkpoint_mode
+from eagle3.files import atomic_write_text
+from eagle3.options import PACKINGS, TRACKERS, check_attention, checkpoint_mode
 from eagle3.rope import normalize_rope_scaling
-from eagle3.trackers import TRACKERS
 
 # flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
 SEQ_BLOCK = 128
@@ -612,28 +611,6 @@ def dump_config(cfg: TrainConfig, run_dir: str | os.PathLike) -> Path:
     path = Path(run_dir) / "config.yaml"
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return path
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def atomic_write_json(path: Path, obj: object) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def load_drafter(path: str | Path, checkpoint: str = "best"):
 
         return load_exported(path), None
     from eagle3 import checkpoint as ckpt
-    from eagle3.cli import load_trained
+    from eagle3.trained import load_trained
 
     model, used, cfg = load_trained(str(path), checkpoint)
     manifest = json.loads((used / ckpt.MARKER).read_text())
@@ -288,7 +288,7 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
 
 
 def main(argv: list[str]) -> int:
-    from eagle3.cli import HelpFormatter
+    from eagle3.helptext import HelpFormatter
 
     ap = argparse.ArgumentParser(prog="python -m eagle3 evaluate", description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)  # fmt: skip

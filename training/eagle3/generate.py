@@ -512,7 +512,7 @@ def _write_shards(model, layers, samples: list[Sample], shards: list[range], tod
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eagle3.cli import HelpFormatter
+    from eagle3.helptext import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="python -m eagle3 generate",

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from eagle3.acceptance import acceptance_length
-from eagle3.config import atomic_write_json
+from eagle3.files import atomic_write_json
 from eagle3.model import STAT_KEYS  # the sum/count pairs ttt_forward returns: one definition
 
 TIMER_KEYS = ("fetch", "fwd", "bwd", "opt")

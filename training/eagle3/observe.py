@@ -14,12 +14,12 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from eagle3.files import atomic_write_text
 from eagle3.metrics import format_duration
 
 TELEMETRY_FILE = "telemetry.jsonl"
@@ -275,19 +275,9 @@ def prom_text(status: dict, record: dict | None, val: dict | None, gpu: dict | N
 
 
 def write_textfile(path: Path, text: str) -> None:
-    """Replace `path` atomically (a temp file in the same directory, then rename), as node_exporter's
-    textfile collector requires: it must never read a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Replace `path` atomically and world-readable, as node_exporter's textfile collector requires: it must never
+    read a half-written file, and it runs as its own user. Written every few seconds: no fsync."""
+    atomic_write_text(path, text, mode=0o644, fsync=False)
 
 
 # ------------------------------------------------------------------------------------ progress line

@@ -66,6 +66,9 @@ def check_attention(attention: str, device: str) -> None:
         )
 
 
+# The experiment trackers of eagle3.trackers beside TensorBoard (config key `tracker`).
+TRACKERS = ("none", "mlflow", "wandb")
+
 # The packers of eagle3.packing, the first the default (config key `packing`).
 PACKINGS = ("first_fit", "next_fit")
 

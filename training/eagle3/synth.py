@@ -250,7 +250,7 @@ SYNTH_HELP = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eagle3.cli import HelpFormatter
+    from eagle3.helptext import HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="python -m eagle3 synth",

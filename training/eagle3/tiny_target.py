@@ -253,7 +253,7 @@ def cached(
 
 
 def main(argv: list[str]) -> int:
-    from eagle3.cli import HelpFormatter
+    from eagle3.helptext import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="python -m eagle3 tiny-target",

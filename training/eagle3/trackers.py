@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagle3.errors import ConfigError
+from eagle3.files import atomic_write_text
+from eagle3.options import TRACKERS
 
-TRACKERS = ("none", "mlflow", "wandb")
 # tracker -> (the module it imports, how to install it)
 PACKAGES = {
     "mlflow": ("mlflow", "pip install mlflow-skinny (or mlflow) into the training venv"),
@@ -74,8 +75,6 @@ def read_record(run_dir: str | os.PathLike) -> dict:
 
 
 def write_record(run_dir: str | os.PathLike, record: dict) -> None:
-    from eagle3.config import atomic_write_text
-
     atomic_write_text(Path(run_dir) / RECORD_FILE, json.dumps(record, indent=1) + "\n")
 
 

@@ -33,7 +33,7 @@ from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
 from eagle3 import options
 from eagle3.checkpointer import Checkpointer
-from eagle3.config import TrainConfig, atomic_write_json, dump_config, load_config
+from eagle3.config import TrainConfig, dump_config, load_config
 from eagle3.data import DatasetReader
 from eagle3.errors import (
     EXIT_CONFIG,
@@ -47,6 +47,7 @@ from eagle3.errors import (
     DataError,
     StorageError,
 )
+from eagle3.files import atomic_write_json
 from eagle3.metrics import (
     SCALAR_SUM_KEYS,
     TIMER_KEYS,

@@ -83,7 +83,7 @@ def parse_lengths(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from eagle3 import config
-    from eagle3.cli import HelpFormatter
+    from eagle3.helptext import HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="python -m eagle3 plan",
