@@ -23,7 +23,7 @@ import yaml
 
 from eagle3.errors import ConfigError
 from eagle3.files import atomic_write_text
-from eagle3.options import PACKINGS, TRACKERS, check_attention, checkpoint_mode
+from eagle3.options import PACKINGS, TRACKERS, TTT_STEPS, check_attention, checkpoint_mode
 from eagle3.rope import normalize_rope_scaling
 
 # flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
@@ -111,7 +111,7 @@ class TrainConfig:
         choices=PACKINGS,
     )  # fmt: skip
     ttt_steps: int = option(
-        5, "training-time-test steps: tokens drafted ahead and supervised", bound=AT_LEAST_1
+        TTT_STEPS, "training-time-test steps: tokens drafted ahead and supervised", bound=AT_LEAST_1
     )
     ttt_gamma: float = option(
         1.0, "loss weight of TTT step k is ttt_gamma**k", bound=UNIT_INTERVAL,

@@ -57,10 +57,10 @@ def step_flops(
     """FLOPs of one forward + backward of one row, by phase and term.
 
     Returns forward, backward, recompute and total, and the terms (fwd_*/bwd_*/recompute_*) they sum.
-    `activation_checkpointing`: a config value (eagle3.options.checkpoint_mode: false, true = selective, full).
+    `activation_checkpointing`: a config value (eagle3.options.checkpoint_mode: false or none, selective, full; true means full).
     `loss_chunk_size` no longer changes the count (the target side is made once per row); kept for the callers.
 
-    >>> from eagle3.plan import SHAPES
+    >>> from eagle3.spec import SHAPES
     >>> f = step_flops(SHAPES["kimi-k2.5-eighth"], 1024, 3, loss_chunk_size=0, doc_len=512)
     >>> round(f["total"] / 1e9, 1), f["recompute"]
     (270.4, 0)
@@ -110,7 +110,7 @@ def step_flops(
 def optimizer_flops(shape) -> int:
     """AdamW's elementwise work per step (about 12 operations per trainable weight; not a matmul, for scale only).
 
-    >>> from eagle3.plan import SHAPES
+    >>> from eagle3.spec import SHAPES
     >>> optimizer_flops(SHAPES["tiny"]) == 12 * SHAPES["tiny"].trainable_params()
     True
     """

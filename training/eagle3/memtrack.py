@@ -261,13 +261,15 @@ def measure_drafter_step(
     return measure_train_step(forward)
 
 
-def measure_planned_step(shape, seq_len: int, ttt_steps: int, opts) -> StepMemory:
-    """Measure one forward+backward of the planner's probe step for a plan.Shape and plan.Options on the CPU:
-    what the planner's activation model is validated against (tests) and what bench/memory.py prints."""
+def measure_planned_step(spec, seq_len: int) -> StepMemory:
+    """Measure one forward+backward of the planner's probe step for a resolved spec (eagle3.spec.RunSpec) on the
+    CPU: what the planner's activation model is validated against (tests) and what bench/memory.py prints."""
     from eagle3 import plan
 
     torch.manual_seed(0)
-    model, _, batch = plan.build_probe_step(shape.drafter_config(), opts, seq_len, torch.device("cpu"))
+    model, _, batch = plan.build_probe_step(spec, seq_len, torch.device("cpu"))
+    run = spec.run
     return measure_drafter_step(
-        model, batch, ttt_steps=ttt_steps, autocast=opts.autocast, **opts.forward_kwargs()
-    )
+        model, batch, ttt_steps=run.ttt_steps, autocast=run.autocast, loss_chunk_size=run.loss_chunk_size,
+        activation_checkpointing=run.activation_checkpointing, attention=run.attention,
+    )  # fmt: skip

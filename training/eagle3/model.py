@@ -31,10 +31,6 @@ This is speculators' `shift_batch` + `align_for_step`, with the deeper steps gat
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,8 +39,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from eagle3.attention import TTTAttention, validate_document_ids
 from eagle3.errors import ConfigError, DataError
 from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
-from eagle3.options import SHAPE_KEYS, checkpoint_mode
-from eagle3.rope import normalize_rope_scaling, rope_cos_sin
+from eagle3.options import TTT_STEPS, checkpoint_mode
+from eagle3.rope import rope_cos_sin
+from eagle3.spec import DrafterConfig
 
 STAT_KEYS = (
     "loss_sum",
@@ -56,149 +53,6 @@ STAT_KEYS = (
     "cond_acc_true_count",
     "count",
 )
-
-
-@dataclass
-class DrafterConfig:
-    """Shape of the drafter. `aux_layer_ids` are the 3 target layers whose hidden states feed `fc`."""
-
-    hidden_size: int
-    num_heads: int
-    head_dim: int
-    intermediate_size: int
-    draft_vocab_size: int
-    target_vocab_size: int
-    aux_layer_ids: tuple[int, ...]
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    # The verifier's rotary scaling (eagle3.rope: linear, llama3, yarn), canonical; None: unscaled.
-    rope_scaling: dict | None = None
-    norm_before_fc: bool = False
-    # Grouped-query attention: key/value heads, a divisor of num_heads (None: num_heads, plain multi-head).
-    num_kv_heads: int | None = None
-    # EAGLE 3.1 norms (speculators Eagle3SpeculatorConfig, vLLM llama_eagle3): fc_norm, one RMSNorm per aux
-    # state before fc (fc_norm.{0,1,2}); norm_output, the next TTT step reads norm(hidden), not hidden;
-    # norm_before_residual, the residual of the decoder layer is hidden_norm(hidden), not hidden.
-    fc_norm: bool = False
-    norm_output: bool = False
-    norm_before_residual: bool = False
-    # speculators keeps lm_head frozen at the target's rows (docs/facts.md#eagle-3-drafter counts it as frozen).
-    train_lm_head: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_kv_heads is None:
-            self.num_kv_heads = self.num_heads
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["aux_layer_ids"] = list(self.aux_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict) -> DrafterConfig:
-        """Build and validate; unknown or missing keys raise ConfigError naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown drafter config key(s) {unknown}; known keys: {', '.join(sorted(names))}"
-            )
-        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
-        missing = sorted(required - set(data))
-        if missing:
-            raise ConfigError(
-                f"drafter config is missing {missing}; every one of {sorted(required)} is required"
-            )
-        values = dict(data)
-        if isinstance(values["aux_layer_ids"], list | tuple):
-            values["aux_layer_ids"] = tuple(values["aux_layer_ids"])
-        cfg = cls(**values)
-        cfg.validate()
-        return cfg
-
-    @classmethod
-    def from_shapes(
-        cls,
-        hidden_size: int,
-        draft_vocab_size: int,
-        target_vocab_size: int,
-        aux_layer_ids,
-        num_heads: int | None = None,
-        head_dim: int | None = None,
-        intermediate_size: int | None = None,
-        **options,
-    ) -> DrafterConfig:
-        """Derive the unset shape keys Llama-style: head_dim 64 (H/4 below H=256), heads = H / head_dim,
-        MLP width 8H/3 rounded up to a multiple of 64.
-
-        >>> c = DrafterConfig.from_shapes(64, 512, 1024, (2, 4, 5))
-        >>> (c.num_heads, c.head_dim, c.intermediate_size)
-        (4, 16, 192)
-        >>> c = DrafterConfig.from_shapes(7168, 32000, 163840, (2, 30, 58), num_heads=64)
-        >>> (c.num_heads, c.head_dim, c.intermediate_size)
-        (64, 64, 19136)
-        """
-        if head_dim is None:
-            head_dim = 64 if hidden_size >= 256 else max(2, hidden_size // 4 // 2 * 2)
-        if num_heads is None:
-            num_heads = max(1, hidden_size // head_dim)
-        if intermediate_size is None:
-            intermediate_size = max(64, math.ceil(8 * hidden_size / 3 / 64) * 64)
-        cfg = cls(
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            intermediate_size=intermediate_size,
-            draft_vocab_size=draft_vocab_size,
-            target_vocab_size=target_vocab_size,
-            aux_layer_ids=tuple(aux_layer_ids),
-            **options,
-        )
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the key, the value and what is expected."""
-        for key in (*SHAPE_KEYS, "num_kv_heads"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key}={value!r} must be a positive integer")
-        if self.num_heads % self.num_kv_heads:
-            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
-            raise ConfigError(
-                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
-                f"(grouped-query attention); one of {divisors}"
-            )
-        if self.norm_before_fc and self.fc_norm:
-            raise ConfigError(
-                "norm_before_fc and fc_norm are mutually exclusive (speculators refuses both): "
-                "one RMSNorm over the 3H concat, or one per aux state; set one of them"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(
-                f"head_dim={self.head_dim} must be even (rotary embedding pairs); try {self.head_dim + 1}"
-            )
-        if self.draft_vocab_size > self.target_vocab_size:
-            raise ConfigError(
-                f"draft_vocab_size={self.draft_vocab_size} is larger than target_vocab_size={self.target_vocab_size}; "
-                f"the draft vocabulary is a subset of the target's: use at most {self.target_vocab_size}"
-            )
-        ids = self.aux_layer_ids
-        if (
-            not isinstance(ids, tuple | list)
-            or len(ids) != 3
-            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
-            or len(set(ids)) != 3
-        ):
-            raise ConfigError(
-                f"aux_layer_ids={ids!r} must be 3 distinct target layer indices >= 0, "
-                "for example [2, n//2, n-3] for a target with n layers"
-            )
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} must be positive, for example 1e-6")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta={self.rope_theta} must be positive, for example 10000.0")
-        self.rope_scaling = normalize_rope_scaling(self.rope_scaling)
 
 
 class RMSNorm(nn.Module):
@@ -515,7 +369,7 @@ class Eagle3Drafter(nn.Module):
         self,
         batch: dict,
         *,
-        ttt_steps: int = 5,
+        ttt_steps: int = TTT_STEPS,
         gamma: float = 1.0,
         activation_checkpointing: bool | str = False,
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -622,7 +476,7 @@ def _ttt_loss(
     the target side costs one pass over the row whatever the chunk size, and no fp32 [positions, V] tensor
     outlives its chunk. loss_chunk_size 0: one chunk of the whole row."""
     if ttt_steps < 1:
-        raise ConfigError(f"ttt_steps={ttt_steps} must be at least 1 (default 5)")
+        raise ConfigError(f"ttt_steps={ttt_steps} must be at least 1 (default {TTT_STEPS})")
     seq_len = check_batch(model.cfg, batch)
     device = model.fc.weight.device
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -713,7 +567,7 @@ def ttt_forward(
     model,
     batch: dict,
     *,
-    ttt_steps: int = 5,
+    ttt_steps: int = TTT_STEPS,
     gamma: float = 1.0,
     activation_checkpointing: bool = False,
     loss_chunk_size: int = DEFAULT_CHUNK_SIZE,

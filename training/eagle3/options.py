@@ -79,15 +79,8 @@ PACKINGS = ("first_fit", "next_fit")
 GLIBC_MMAP_CEILING = 32 << 20
 
 
-# The dimensions of a drafter (num_kv_heads apart, 0 meaning num_heads): DrafterConfig's and the planner's Shape's.
-SHAPE_KEYS = (
-    "hidden_size",
-    "num_heads",
-    "head_dim",
-    "intermediate_size",
-    "draft_vocab_size",
-    "target_vocab_size",
-)
+# The TTT steps a drafter is trained to draft (config key `ttt_steps`; EAGLE-3 and speculators default to 5).
+TTT_STEPS = 5
 
 CHECKPOINT_MODES = ("none", "selective", "full")
 
@@ -130,7 +123,7 @@ class RunOptions:
     attention: str  # flex | exact
     fsdp: bool  # as the config asks
     sharded: bool  # FSDP2 really shards: fsdp with more than one rank
-    activation_checkpointing: bool | str  # false | true (full) | selective | full
+    activation_checkpointing: str  # none | selective | full (checkpoint_mode of the config's value)
     loss_chunk_size: int
     ttt_steps: int
     ttt_gamma: float
@@ -147,7 +140,7 @@ class RunOptions:
     def shard_ranks(self) -> int:
         """Ranks one copy of the sharded state is spread over: all of them (full), a node's (hsdp).
 
-        >>> RunOptions("cpu", 8, False, False, "exact", True, True, False, 1, 1, 1.0, (), "hsdp", 2).shard_ranks
+        >>> RunOptions("cpu", 8, False, False, "exact", True, True, "none", 1, 1, 1.0, (), "hsdp", 2).shard_ranks
         4
         """
         return self.world_size // self.nodes if self.hsdp else self.world_size
@@ -211,7 +204,7 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
         attention=attention,
         fsdp=cfg.fsdp,
         sharded=cfg.fsdp and world_size > 1,
-        activation_checkpointing=_checked_mode(cfg.activation_checkpointing),
+        activation_checkpointing=checkpoint_mode(cfg.activation_checkpointing),
         loss_chunk_size=cfg.loss_chunk_size,
         ttt_steps=cfg.ttt_steps,
         ttt_gamma=cfg.ttt_gamma,
@@ -248,10 +241,3 @@ def check_layout(layout: str, fsdp: bool, world_size: int, nodes: int) -> None:
             f"shard_layout=hsdp needs the same number of ranks on every node: {seen}; start the same "
             "--nproc-per-node on every node, or use shard_layout: full"
         )
-
-
-def _checked_mode(value):
-    """The config's value as it was given (true/false stay booleans: the planner and status files print them),
-    refused with a ConfigError when it names no mode."""
-    checkpoint_mode(value)
-    return value

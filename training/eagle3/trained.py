@@ -38,7 +38,7 @@ def load_trained(run_dir: str, which: str = "best"):
     from eagle3.config import TrainConfig
     from eagle3.data import DatasetReader
     from eagle3.model import Eagle3Drafter
-    from eagle3.train import drafter_config
+    from eagle3.spec import drafter_config
 
     path = pick_checkpoint(run_dir, which)
     cfg = TrainConfig(**json.loads((path / "config.json").read_text()))

@@ -25,32 +25,23 @@ from eagle3.plan.model import (
     DEFAULT_LENGTHS,
     GIB,
     SEQ_BLOCK,
-    SHAPES,
-    Options,
     Plan,
-    Shape,
     budget_bytes,
     cpu_heap_chunk,
     make_plan,
-    options_from_config,
 )
+from eagle3.spec import SHAPE_KEYS, SHAPES, RunSpec, data_bytes_of, drafter_config, spec_of
 
-
-def shape_from_config(cfg) -> tuple[Shape, int]:
-    """Drafter shape from the trainer config and its dataset index (sizes there, heads/MLP derived as train.py does);
-    also the dataset's bytes per hidden element."""
-    from eagle3.data import read_index
-    from eagle3.train import drafter_config
-
-    index = read_index(cfg.data_dir)
-    dc = drafter_config(cfg, index)
-    shape = Shape(
-        dc.hidden_size, dc.num_heads, dc.head_dim, dc.intermediate_size, dc.draft_vocab_size, dc.target_vocab_size,
-        norm_before_fc=dc.norm_before_fc, train_lm_head=dc.train_lm_head, num_kv_heads=dc.num_kv_heads,
-        fc_norm=dc.fc_norm, norm_output=dc.norm_output,
-    )  # fmt: skip
-    data_bytes = {"float32": 4, "fp32": 4}.get(str(index.dtype).replace("torch.", ""), 2)
-    return shape, data_bytes
+# The options the command line shares with the trainer config: given, they replace the config's.
+SHARED_KEYS = (
+    "dtype",
+    "attention",
+    "activation_checkpointing",
+    "fsdp",
+    "loss_chunk_size",
+    "shard_layout",
+    "ttt_steps",
+)
 
 
 def load_trainer_config(path: str):
@@ -186,74 +177,70 @@ def resolve_ranks(world_size: int | None, nnodes: int, nproc_per_node: int | Non
     return world, nnodes
 
 
-def _resolve(args) -> tuple[Shape, Options, int, float]:
-    """Shape, options, ttt_steps and memory from the command line and, when given, the trainer config."""
-    from eagle3.config import TrainConfig
-    from eagle3.options import SHAPE_KEYS as dims
+def spec_from_args(args) -> tuple[RunSpec, float]:
+    """The run the command line describes, resolved as the trainer resolves it (eagle3.spec), and the memory per
+    GPU: the trainer config's (its data set gives the drafter's shape), or the trainer's defaults with a named or
+    given shape; the command line's options on top of either."""
+    from eagle3.config import TrainConfig, validate
+    from eagle3.data import read_index
 
     device = args.device or "cuda"
     if args.config:
         cfg = load_trainer_config(args.config)
-        shape, data_bytes = shape_from_config(cfg)
-        ttt_steps = cfg.ttt_steps
+        index = read_index(cfg.data_dir)
+        drafter, data_bytes = drafter_config(cfg, index), data_bytes_of(index)
         memory = cfg.memory_limit_gb or None
         if args.device is None:
             device = cfg.device  # auto: resolved on this machine (the plan runs where the trainer will)
     else:
-        cfg = TrainConfig()  # the trainer's defaults, from its declaration
-        if args.shape:
-            shape = SHAPES[args.shape]
-        elif all(getattr(args, d) for d in dims):
-            shape = Shape(*(getattr(args, d) for d in dims))
-        else:
-            raise ConfigError(
-                "give --config FILE, --shape NAME, or all six of --"
-                + ", --".join(d.replace("_", "-") for d in dims)
-            )
-        data_bytes, ttt_steps, memory = 2, 5, None
-    overrides = {d: getattr(args, d) for d in dims if getattr(args, d)}
-    if args.num_kv_heads:
-        overrides["num_kv_heads"] = args.num_kv_heads
-    if overrides:
-        shape = dataclasses.replace(shape, **overrides)
-    shape.drafter_config().validate()  # e.g. num_kv_heads must divide num_heads
-    for key in ("dtype", "attention", "activation_checkpointing", "fsdp", "loss_chunk_size", "shard_layout"):
-        if getattr(args, key) is not None:
-            setattr(cfg, key, getattr(args, key))
-    opts = dataclasses.replace(
-        options_from_config(cfg, device, args.world_size, args.nnodes), data_bytes=data_bytes
+        cfg = TrainConfig(data_dir="-", run_dir="-")  # the trainer's defaults, from its declaration
+        drafter, data_bytes, memory = _named_or_given_shape(args), 2, None
+    dims = {d: getattr(args, d) for d in (*SHAPE_KEYS, "num_kv_heads") if getattr(args, d)}
+    if dims:
+        drafter = dataclasses.replace(drafter, **dims)
+    drafter.validate()  # e.g. num_kv_heads must divide num_heads
+    cfg = dataclasses.replace(
+        cfg, **{k: getattr(args, k) for k in SHARED_KEYS if getattr(args, k) is not None}
     )
+    validate(cfg)  # the trainer's own checks of what the command line changed (ttt_steps >= 1, ...)
+    spec = spec_of(drafter, cfg, device, args.world_size, args.nnodes, data_bytes)
     if args.reserve_gb is not None:
-        opts = dataclasses.replace(opts, reserve_gib=args.reserve_gb)
-    ttt_steps = args.ttt_steps if args.ttt_steps is not None else ttt_steps
+        spec = dataclasses.replace(spec, reserve_gib=args.reserve_gb)
     memory = args.memory_gb if args.memory_gb is not None else memory
     if memory is None:
         raise ConfigError(
             "no memory budget: pass --memory-gb (GiB per GPU) or set memory_limit_gb in the config"
         )
-    return shape, opts, ttt_steps, memory
+    return spec, memory
+
+
+def _named_or_given_shape(args):
+    if args.shape:
+        return SHAPES[args.shape]
+    if all(getattr(args, d) for d in SHAPE_KEYS):
+        return SHAPES["tiny"]  # every dimension is replaced by the command line's
+    raise ConfigError(
+        "give --config FILE, --shape NAME, or all six of --"
+        + ", --".join(d.replace("_", "-") for d in SHAPE_KEYS)
+    )
 
 
 def format_table(plan: Plan) -> str:
     budget = budget_bytes(plan.memory_gb, plan.margin) / GIB
+    d, run = plan.spec.drafter, plan.spec.run
     lines = [
-        f"drafter: hidden {plan.shape.hidden_size}, {plan.shape.num_heads} heads x {plan.shape.head_dim} "
-        f"({plan.shape.num_kv_heads or plan.shape.num_heads} kv), "
-        f"mlp {plan.shape.intermediate_size}, vocab {plan.shape.draft_vocab_size}/{plan.shape.target_vocab_size}; "
-        f"ttt_steps {plan.ttt_steps}, world size {plan.world_size}"
-        + (f" ({plan.nnodes} nodes x {plan.world_size // plan.nnodes})" if plan.nnodes > 1 else ""),
+        f"drafter: hidden {d.hidden_size}, {d.num_heads} heads x {d.head_dim} ({d.num_kv_heads} kv), "
+        f"mlp {d.intermediate_size}, vocab {d.draft_vocab_size}/{d.target_vocab_size}; "
+        f"ttt_steps {run.ttt_steps}, world size {run.world_size}"
+        + (f" ({run.nodes} nodes x {run.world_size // run.nodes})" if run.nodes > 1 else ""),
         "options: "
         + ", ".join(
             f"{k}={v}"
-            for k, v in plan.options.describe().items()
+            for k, v in plan.describe_options().items()
             if k in ("activation_checkpointing", "fsdp", "autocast", "attention")
         ),
         f"sharding: {plan.shard_layout}"
-        + (
-            f", weights/gradients/AdamW state sharded over {plan.shard_ranks} ranks"
-            if plan.options.fsdp
-            else ""
-        ),
+        + (f", weights/gradients/AdamW state sharded over {plan.shard_ranks} ranks" if run.sharded else ""),
         f"static {plan.static_gb:.2f} GiB (reserve included); budget {budget:.2f} GiB "
         f"({plan.memory_gb:g} GiB less {plan.margin:.0%})",
         f"{'max_seq_len':>12}  {'predicted GiB':>13}  fits",
@@ -272,13 +259,12 @@ def format_table(plan: Plan) -> str:
                 " (one pass, the fastest)"
                 if plan.loss_chunk_size == 0
                 else " (on CPU faster than one pass: its tensors stay in malloc's heap)"
-                if plan.options.device == "cpu"
-                and plan.loss_chunk_size == cpu_heap_chunk(plan.shape, plan.max_seq_len)
+                if run.device == "cpu" and plan.loss_chunk_size == cpu_heap_chunk(d, plan.max_seq_len)
                 else " (memory needs the chunked loss)"
             )
             + (
-                f"; the config has {plan.options.loss_chunk_size}"
-                if plan.options.loss_chunk_size != plan.loss_chunk_size
+                f"; the config has {run.loss_chunk_size}"
+                if run.loss_chunk_size != plan.loss_chunk_size
                 else ""
             )
         )
@@ -289,7 +275,8 @@ def choose(plan: Plan, probe_result: dict) -> tuple[str, int, float]:
     """(source, max_seq_len, predicted GiB) from the analytic plan and the probe: the smaller length wins, so a
     probe can only lower the analytic choice (the analytic terms are the ones checked for every option).
 
-    >>> plan = Plan(SHAPES["tiny"], Options(), 5, 1, 8.0, 0.1, 4096, 5.0, 1.0, [])
+    >>> from eagle3.plan.model import on_cuda
+    >>> plan = Plan(on_cuda(SHAPES["tiny"]), 8.0, 0.1, 4096, 5.0, 1.0, [])
     >>> choose(plan, {"max_seq_len": 2048, "predicted_gb": 7.0})
     ('probe', 2048, 7.0)
     >>> choose(plan, {"max_seq_len": 8192, "predicted_gb": 7.0})
@@ -304,18 +291,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else sys.argv[1:])
     try:
         args.world_size, args.nnodes = resolve_ranks(args.world_size, args.nnodes, args.nproc_per_node)
-        shape, opts, ttt_steps, memory = _resolve(args)
+        spec, memory = spec_from_args(args)
         lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
-        plan = make_plan(
-            shape, opts, ttt_steps=ttt_steps, world_size=args.world_size, memory_gb=memory, margin=args.margin,
-            lengths=lengths,
-        )  # fmt: skip
-        plan.nnodes = args.nnodes
+        plan = make_plan(spec, memory_gb=memory, margin=args.margin, lengths=lengths)
         if args.probe:
             try:
                 result = probe(
-                    shape, opts, ttt_steps=ttt_steps, world_size=args.world_size, memory_gb=memory,
-                    margin=args.margin, lengths=parse_lengths(args.probe_lengths),
+                    spec, memory_gb=memory, margin=args.margin, lengths=parse_lengths(args.probe_lengths),
                     cache_dir=Path(args.cache_dir) if args.cache_dir else None,
                 )  # fmt: skip
             except ProbeUnavailable as e:

@@ -14,14 +14,13 @@ from pathlib import Path
 
 from eagle3.plan.model import (
     GIB,
-    Options,
-    Shape,
     batch_bytes,
     budget_bytes,
     dynamic_bytes,
     largest_fitting,
     static_bytes,
 )
+from eagle3.spec import RunSpec
 
 
 def fit_line(points: Sequence[tuple[int, int]]) -> tuple[float, float]:
@@ -40,19 +39,21 @@ def fit_line(points: Sequence[tuple[int, int]]) -> tuple[float, float]:
     return mean_y - b * mean_s, b
 
 
-def config_hash(shape: Shape, opts: Options, ttt_steps: int) -> str:
-    """Hash of everything that changes the bytes of a step (not paths, seeds or learning rates).
+def config_hash(spec: RunSpec) -> str:
+    """Hash of everything that changes the bytes of a step on one GPU (not paths, seeds, learning rates or the
+    ranks: the probe measures one rank, the analytic static bytes add the rest).
 
-    >>> from eagle3.plan.model import SHAPES
-    >>> config_hash(SHAPES["tiny"], Options(), 5) == config_hash(SHAPES["tiny"], Options(), 5)
+    >>> from eagle3.plan.model import SHAPES, on_cuda
+    >>> config_hash(on_cuda(SHAPES["tiny"])) == config_hash(on_cuda(SHAPES["tiny"], world_size=8))
     True
-    >>> config_hash(SHAPES["tiny"], Options(), 5) == config_hash(SHAPES["tiny"], Options(), 3)
+    >>> config_hash(on_cuda(SHAPES["tiny"])) == config_hash(on_cuda(SHAPES["tiny"], ttt_steps=3))
     False
     """
-    blob = json.dumps(
-        {"shape": dataclasses.asdict(shape), "options": opts.describe(), "ttt_steps": ttt_steps},
-        sort_keys=True,
-    )
+    run = dataclasses.asdict(spec.run)
+    for per_run in ("world_size", "nodes", "notes", "sharded", "shard_layout"):
+        run.pop(per_run)
+    memory = {"data_bytes": spec.data_bytes, "keep_full_head": spec.keep_full_head}
+    blob = json.dumps({"shape": spec.drafter.to_dict(), "run": run, "memory": memory}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -79,11 +80,8 @@ class ProbeUnavailable(RuntimeError):
 
 
 def probe(
-    shape: Shape,
-    opts: Options,
+    spec: RunSpec,
     *,
-    ttt_steps: int,
-    world_size: int,
     memory_gb: float,
     margin: float,
     lengths: Sequence[int] = (4096, 8192),
@@ -108,11 +106,11 @@ def probe(
         torch_version = torch_version or torch.__version__
 
         def measure(seq_len: int) -> tuple[int, int]:
-            return cuda_measure(shape, opts, ttt_steps, seq_len)
+            return cuda_measure(spec, seq_len)
 
     gpu_name = gpu_name or "unknown-gpu"
     torch_version = torch_version or "unknown-torch"
-    cfg_hash = config_hash(shape, opts, ttt_steps)
+    cfg_hash = config_hash(spec)
     path = probe_cache_path(cache_dir or default_cache_dir(), gpu_name, torch_version, cfg_hash)
     cached = None
     if path.is_file():
@@ -127,16 +125,14 @@ def probe(
         measured = [(s, *measure(s)) for s in lengths]
         from_cache = False
     a, b = fit_line([(s, peak - static) for s, static, peak in measured])
-    static_world = static_bytes(shape, opts, world_size) + int(opts.reserve_gib * GIB)
+    static_world = static_bytes(spec) + int(spec.reserve_gib * GIB)
 
     def predict(seq_len: int) -> int:
-        return int(static_world + batch_bytes(shape, seq_len, opts) + a + b * seq_len)
+        return int(static_world + batch_bytes(spec, seq_len) + a + b * seq_len)
 
     budget = budget_bytes(memory_gb, margin)
     chosen = largest_fitting(predict, budget)
-    analytic = [
-        dynamic_bytes(shape, s, ttt_steps, opts) + batch_bytes(shape, s, opts) for s, _, _ in measured
-    ]
+    analytic = [dynamic_bytes(spec, s) + batch_bytes(spec, s) for s, _, _ in measured]
     result = {
         "gpu": gpu_name,
         "torch": torch_version,
@@ -162,9 +158,7 @@ def probe(
     return result
 
 
-def cuda_measure(
-    shape: Shape, opts: Options, ttt_steps: int, seq_len: int, steps: int = 2
-) -> tuple[int, int]:
+def cuda_measure(spec: RunSpec, seq_len: int, steps: int = 2) -> tuple[int, int]:
     """(allocated bytes before a step, peak allocated during it) for `steps` real training steps on CUDA, set up
     as eagle3.train does it (bf16 autocast, frozen weights in bf16, fused AdamW, zero_grad(set_to_none=True)).
 
@@ -175,16 +169,15 @@ def cuda_measure(
     from eagle3.model import ttt_forward
 
     device = torch.device("cuda")
-    cfg = shape.drafter_config()
-    model, optimizer, batch = build_probe_step(cfg, opts, seq_len, device)
+    model, optimizer, batch = build_probe_step(spec, seq_len, device)
     try:
         for n in range(steps):
             if n == steps - 1:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=opts.autocast):
-                loss, _ = ttt_forward(model, batch, ttt_steps=ttt_steps, **opts.forward_kwargs())
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=spec.run.autocast):
+                loss, _ = ttt_forward(model, batch, **spec.run.ttt_kwargs())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -196,12 +189,13 @@ def cuda_measure(
         torch.cuda.empty_cache()
 
 
-def build_probe_step(cfg, opts: Options, seq_len: int, device):
+def build_probe_step(spec: RunSpec, seq_len: int, device):
     """A drafter with random target weights, its AdamW and one packed row (one document) on `device`."""
     import torch
 
     from eagle3.model import Eagle3Drafter
 
+    cfg = spec.drafter
     h, vt, vd = cfg.hidden_size, cfg.target_vocab_size, cfg.draft_vocab_size
     gen = torch.Generator().manual_seed(0)
     t2d = torch.zeros(vt, dtype=torch.bool)
@@ -209,21 +203,21 @@ def build_probe_step(cfg, opts: Options, seq_len: int, device):
     t2d[chosen] = True
     with torch.device(device):
         model = Eagle3Drafter(cfg)
-    frozen_dtype = torch.bfloat16 if opts.frozen_bf16 else torch.float32
+    frozen_dtype = torch.bfloat16 if spec.run.frozen_bf16 else torch.float32
     model.load_target_weights(
         torch.randn(vt, h, device=device, dtype=frozen_dtype),
         torch.ones(h, device=device),
         torch.randn(vt, h, device=device, dtype=frozen_dtype) * 0.02,
         t2d.to(device),
         (chosen - torch.arange(vd)).to(device),
-        keep_full_head=opts.keep_full_head,
+        keep_full_head=spec.keep_full_head,
     )
-    if opts.frozen_bf16:
+    if spec.run.frozen_bf16:
         model.frozen_to(torch.bfloat16)
     trainable = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, betas=(0.9, 0.95), **fused)
-    data_dtype = torch.bfloat16 if opts.data_bytes == 2 else torch.float32
+    data_dtype = torch.bfloat16 if spec.data_bytes == 2 else torch.float32
     batch = {
         "input_ids": torch.randint(0, vt, (seq_len,), device=device),
         "aux_hidden": torch.randn(seq_len, 3 * h, device=device, dtype=data_dtype),
