@@ -49,11 +49,9 @@ for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
 
 import torch  # noqa: E402
 from eagle3 import plan as P  # noqa: E402
-from eagle3.config import TrainConfig  # noqa: E402
-from eagle3.options import resolve_options  # noqa: E402
+from procs import DEVICE_GLOBS  # noqa: E402  (module_utils/procs.py: the one declaration)
 
 MARKER_NAME = "EAGLE3_GPU_CHECK"
-DEVICE_GLOBS = ["/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
 HOLDER_CODE = r"""
 import os, signal, sys, time, torch
 if sys.argv[1] == "stubborn":
@@ -283,22 +281,19 @@ def section_flex(device: torch.device, dry_run: bool) -> dict:
 # ----------------------------------------------------------------------------------------------- sweep
 
 
-def recipe(dry_run: bool, world_size: int = 1, reserve_gib: float = 0.0, **keys) -> P.Options:
+def recipe(dry_run: bool, shape, world_size: int = 1, reserve_gib: float = 0.0, **keys) -> P.RunSpec:
     """The trainer's CUDA recipe for config `keys`, resolved as the trainer resolves it (bf16 autocast, frozen
     weights in bf16, flex); a dry run takes the same recipe to the CPU with the exact attention path."""
-    run = resolve_options(TrainConfig(**keys), "cuda", world_size)
-    opts = P.Options.from_run(run, reserve_gib=reserve_gib)
-    return dataclasses.replace(opts, device="cpu", attention="exact") if dry_run else opts
+    spec = dataclasses.replace(P.on_cuda(shape, world_size=world_size, **keys), reserve_gib=reserve_gib)
+    return spec.with_run(device="cpu", attention="exact") if dry_run else spec
 
 
-def run_steps(
-    shape: P.Shape, opts: P.Options, ttt_steps: int, seq_len: int, device: torch.device, steps: int = 2
-):
+def run_steps(spec: P.RunSpec, seq_len: int, device: torch.device, steps: int = 2):
     """Real training steps as eagle3.train runs them; the last one is measured: (static, peak, seconds)."""
     from eagle3.memtrack import LiveBytesTracker
     from eagle3.model import ttt_forward
 
-    model, optimizer, batch = P.build_probe_step(shape.drafter_config((2, 30, 58)), opts, seq_len, device)
+    model, optimizer, batch = P.build_probe_step(spec, seq_len, device)
     cuda = device.type == "cuda"
     try:
         for n in range(steps):
@@ -309,8 +304,8 @@ def run_steps(
             before = torch.cuda.memory_allocated() if cuda else 0
             tracker = LiveBytesTracker() if (last and not cuda) else contextlib.nullcontext()
             started = time.monotonic()
-            with tracker, torch.autocast(device.type, dtype=torch.bfloat16, enabled=opts.autocast):
-                loss, _ = ttt_forward(model, batch, ttt_steps=ttt_steps, **opts.forward_kwargs())
+            with tracker, torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.run.autocast):
+                loss, _ = ttt_forward(model, batch, **spec.run.ttt_kwargs())
             with tracker:
                 loss.backward()
                 optimizer.step()
@@ -394,39 +389,39 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, shapes) -> float:
 
 def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths: list[int]) -> dict:
     if dry_run:
-        shape = P.Shape(128, 4, 32, 320, 1024, 2048)
-        base = recipe(dry_run, loss_chunk_size=256)
+        shape = P.DrafterConfig(128, 4, 32, 320, 1024, 2048)
+        base = recipe(dry_run, shape, loss_chunk_size=256)
         lengths = [256, 512]
     else:
         shape = P.SHAPES["kimi-k2.5"]
-        base = recipe(dry_run)
-    ttt = 5
+        base = recipe(dry_run, shape)
+    ttt = base.run.ttt_steps
     deadline = time.monotonic() + budget_s
     rows = []
-    from eagle3.flops import datasheet_peak, step_flops
+    from eagle3.flops import datasheet_peak
 
     sys.path.insert(0, str(ROOT / "bench"))
     from trainer import step_matmul_shapes
 
-    dtype = torch.bfloat16 if base.autocast and device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if base.run.autocast and device.type == "cuda" else torch.float32
     practical = matmul_peak(device, dtype, step_matmul_shapes(shape, max(lengths[0], 1024)))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     sheet = datasheet_peak(name, "bf16" if dtype == torch.bfloat16 else "fp32")
     for label, opts in (
-        ("activation_checkpointing", dataclasses.replace(base, activation_checkpointing=True)),
+        ("activation_checkpointing", base.with_run(activation_checkpointing="full")),
         ("no options", base),
     ):
         for seq_len in lengths:
             if time.monotonic() > deadline:
                 rows.append({"options": label, "max_seq_len": seq_len, "skipped": "time budget spent"})
                 continue
-            predicted = P.predict_peak_bytes(shape, seq_len, ttt, opts, world_size=1)
+            predicted = P.predict_peak_bytes(opts, seq_len)
             row = {"options": label, "max_seq_len": seq_len, "predicted_gib": round(predicted / P.GIB, 2)}
             started = time.monotonic()
             power = PowerSampler()
             try:
                 with power:
-                    static, peak, seconds, reserved = run_steps(shape, opts, ttt, seq_len, device)
+                    static, peak, seconds, reserved = run_steps(opts, seq_len, device)
             except torch.OutOfMemoryError as e:
                 row |= {"oom": True, "message": str(e).splitlines()[0][:300]}
                 rows.append(row)
@@ -443,34 +438,12 @@ def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths:
                 "tokens_per_s": round(seq_len / seconds, 1),
                 "wall_s": round(time.monotonic() - started, 1),
             }
-            flops = step_flops(
-                shape,
-                seq_len,
-                ttt,
-                loss_chunk_size=opts.loss_chunk_size,
-                activation_checkpointing=opts.activation_checkpointing,
-            )  # one document filling the row: the attention's worst case, as the sweep's batch
-            rate = flops["total"] / seconds
-            row |= {
-                "tflop": round(flops["total"] / 1e12, 2),
-                "recompute_tflop": round(flops["recompute"] / 1e12, 2),
-                "tflop_per_s": round(rate / 1e12, 2),
-                "of_matmul_peak": round(rate / practical, 3),
-                "mfu": round(rate / sheet, 3) if sheet else None,
-                **power.summary(),
-            }
+            row |= sweep_rate(shape, seq_len, ttt, opts, seconds, practical, sheet) | power.summary()
             rows.append(row)
-            print(
-                f"  {label:26} {seq_len:>6}: step {seconds:7.2f} s, {row['tokens_per_s']:9.1f} tok/s, "
-                f"{row['tflop_per_s']:7.2f} TFLOP/s ({row['of_matmul_peak']:.0%} of matmul peak, MFU "
-                f"{'-' if row['mfu'] is None else format(row['mfu'], '.1%')}), peak {row['measured_peak_gib']:7.2f} "
-                f"GiB vs plan {row['predicted_gib']:7.2f} ({row['error']:+.1%}), power {row['power_w']} W at "
-                f"{row['utilization_pct']} % utilisation",
-                flush=True,
-            )
+            print_sweep_row(label, seq_len, seconds, row)
     measured = [r for r in rows if "error" in r]
     return {
-        "shape": dataclasses.asdict(shape),
+        "shape": shape.to_dict(),
         "ttt_steps": ttt,
         "matmul_peak_tflop_per_s": round(practical / 1e12, 3),
         "datasheet_peak_tflop_per_s": sheet and round(sheet / 1e12, 1),
@@ -480,32 +453,58 @@ def section_sweep(device: torch.device, dry_run: bool, budget_s: float, lengths:
     }
 
 
+def sweep_rate(shape, seq_len: int, ttt: int, opts, seconds: float, practical: float, sheet) -> dict:
+    """A sweep row's work and rate: TFLOP per step, TFLOP/s, share of the matmul and datasheet peaks."""
+    from eagle3.flops import step_flops
+
+    flops = step_flops(
+        shape,
+        seq_len,
+        ttt,
+        loss_chunk_size=opts.run.loss_chunk_size,
+        activation_checkpointing=opts.run.activation_checkpointing,
+    )  # one document filling the row: the attention's worst case, as the sweep's batch
+    rate = flops["total"] / seconds
+    return {
+        "tflop": round(flops["total"] / 1e12, 2),
+        "recompute_tflop": round(flops["recompute"] / 1e12, 2),
+        "tflop_per_s": round(rate / 1e12, 2),
+        "of_matmul_peak": round(rate / practical, 3),
+        "mfu": round(rate / sheet, 3) if sheet else None,
+    }
+
+
+def print_sweep_row(label: str, seq_len: int, seconds: float, row: dict) -> None:
+    print(
+        f"  {label:26} {seq_len:>6}: step {seconds:7.2f} s, {row['tokens_per_s']:9.1f} tok/s, "
+        f"{row['tflop_per_s']:7.2f} TFLOP/s ({row['of_matmul_peak']:.0%} of matmul peak, MFU "
+        f"{'-' if row['mfu'] is None else format(row['mfu'], '.1%')}), peak {row['measured_peak_gib']:7.2f} "
+        f"GiB vs plan {row['predicted_gib']:7.2f} ({row['error']:+.1%}), power {row['power_w']} W at "
+        f"{row['utilization_pct']} % utilisation",
+        flush=True,
+    )
+
+
 # ----------------------------------------------------------------------------------------------- probe
 
 
 def section_probe(device: torch.device, dry_run: bool, sweep: dict | None) -> dict:
     cache = Path(tempfile.mkdtemp(prefix="eagle3-plan-cache-"))
     if dry_run:
-        shape = P.Shape(128, 4, 32, 320, 1024, 2048)
-        opts = recipe(dry_run, activation_checkpointing=True)
+        spec = recipe(dry_run, P.DrafterConfig(128, 4, 32, 320, 1024, 2048), activation_checkpointing=True)
 
         def measure(seq_len):
-            static, peak, _, _ = run_steps(shape, opts, 5, seq_len, device)
+            static, peak, _, _ = run_steps(spec, seq_len, device)
             return static, peak
 
         kwargs = {"measure": measure, "gpu_name": "cpu-dry-run", "torch_version": torch.__version__}
-        lengths, world, memory = (256, 512), 1, 1.0
+        lengths, memory = (256, 512), 1.0
     else:
-        shape, opts = (
-            P.SHAPES["kimi-k2.5"],
-            recipe(dry_run, 8, reserve_gib=1.0, activation_checkpointing=True),
-        )
-        kwargs, lengths, world, memory = {}, (4096, 8192), 8, 96.0
-    first = P.probe(shape, opts, ttt_steps=5, world_size=world, memory_gb=memory, margin=0.1, lengths=lengths,
-                    cache_dir=cache, **kwargs)  # fmt: skip
-    again = P.probe(shape, opts, ttt_steps=5, world_size=world, memory_gb=memory, margin=0.1, lengths=lengths,
-                    cache_dir=cache, **kwargs)  # fmt: skip
-    analytic = P.make_plan(shape, opts, ttt_steps=5, world_size=world, memory_gb=memory, margin=0.1)
+        spec = recipe(dry_run, P.SHAPES["kimi-k2.5"], 8, reserve_gib=1.0, activation_checkpointing=True)
+        kwargs, lengths, memory = {}, (4096, 8192), 96.0
+    first = P.probe(spec, memory_gb=memory, margin=0.1, lengths=lengths, cache_dir=cache, **kwargs)
+    again = P.probe(spec, memory_gb=memory, margin=0.1, lengths=lengths, cache_dir=cache, **kwargs)
+    analytic = P.make_plan(spec, memory_gb=memory, margin=0.1)
     return {
         "probe": first,
         "second_call_from_cache": again["from_cache"],

@@ -4,7 +4,7 @@ Kimi-shaped step consumes, and the real RowPrefetcher's fetch share of a simulat
     .venv-train/bin/python bench/loader.py                  # both shapes, 5 interleaved repeats (2-5 min, by load)
     .venv-train/bin/python bench/loader.py --repeats 3 --kimi-tokens 16384 --row-tokens 2048   # quicker
 
-The trainer reads the next step's row on a background thread (eagle3.train.RowPrefetcher) straight into its
+The trainer reads the next step's row on a background thread (eagle3.feed.RowPrefetcher) straight into its
 final tensors (DatasetReader.read_row: one preadv per field of a sample, into pinned memory on CUDA), and the
 step copies it with non_blocking=True; a row costs the step only when reading it takes longer than the step.
 
@@ -140,7 +140,7 @@ def prefetch_share(
     """(fetch share of the step, worst single fetch / step) over one run of the real RowPrefetcher (`depth`
     rows queued ahead, as Trainer.next_row would schedule them) feeding a consumer that sleeps `step_s` per row,
     page cache dropped first. Step 1 (never prefetched) is left out."""
-    from eagle3.train import RowPrefetcher
+    from eagle3.feed import RowPrefetcher
 
     prefetch = RowPrefetcher(data_dir, row_tokens, pin_memory=device.type == "cuda", depth=depth)
     for k, ids in enumerate(rows[: len(prefetch.buffers)]):  # a run's first steps allocate the row buffers
@@ -177,7 +177,7 @@ def mm(values, fmt="{:.0f}") -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}..{fmt.format(max(values))})"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=32768, help="tokens of the hidden-896 dataset")
     p.add_argument("--kimi-tokens", type=int, default=32768, help="tokens of the hidden-7168 dataset")
@@ -195,73 +195,67 @@ def main() -> int:
         default=[25.0, 50.0],
         help="assumed pinned host-to-GPU copy GB/s without a GPU (PCIe Gen4 / Gen5 x16 in practice)",
     )
-    args = p.parse_args()
-    torch.set_num_threads(1)
+    return p.parse_args()
 
-    from eagle3 import plan
+
+def make_sets(tmp: str, args, hiddens) -> dict:
+    """hidden -> (root, reader, shard paths, bytes per token, packed rows of --seq-len), one dataset per shape."""
     from eagle3.data import DatasetReader
-    from eagle3.flops import datasheet_peak, step_flops
 
-    kimi = plan.SHAPES["kimi-k2.5"]
-    flops = step_flops(
-        kimi, KIMI_ROW, KIMI_TTT, loss_chunk_size=4096, activation_checkpointing=True, doc_len=2048
-    )
-    peak = datasheet_peak("H200", "bf16")
-    step_s = flops["total"] / (args.mfu * peak)
-    need_tps = KIMI_ROW / step_s
-    pin = torch.cuda.is_available()
-    device = torch.device("cuda" if pin else "cpu")
+    sets = {}
+    for hidden, tokens in hiddens:
+        root = Path(tmp) / f"h{hidden}"
+        write_dataset(root, hidden, tokens, args.doc_len, args.shard_tokens, seed=hidden)
+        reader = DatasetReader(root)
+        shards = sorted(str(q) for q in (root / "shards").glob("*.safetensors"))
+        size = sum(os.path.getsize(q) for q in shards)
+        per_token = size / sum(reader.index.lengths)
+        sets[hidden] = (root, reader, shards, per_token, rows_of(reader, args.seq_len))
+    return sets
 
-    table = []
-    with tempfile.TemporaryDirectory(prefix="eagle3_loader_", dir=os.environ.get("BENCH_DIR")) as tmp:
-        sets = {}
-        for hidden, tokens in ((896, args.tokens), (kimi.hidden_size, args.kimi_tokens)):
-            root = Path(tmp) / f"h{hidden}"
-            write_dataset(root, hidden, tokens, args.doc_len, args.shard_tokens, seed=hidden)
-            reader = DatasetReader(root)
-            shards = sorted(str(q) for q in (root / "shards").glob("*.safetensors"))
-            size = sum(os.path.getsize(q) for q in shards)
-            per_token = size / sum(reader.index.lengths)
-            sets[hidden] = (root, reader, shards, per_token, rows_of(reader, args.seq_len))
-        runs = {h: {k: [] for k in ("disk", "old_cold", "new_cold", "old_warm", "new_warm")} for h in sets}
-        buffers = {h: [None] * 3 for h in sets}
-        for rep in range(args.repeats):
-            for hidden, (_root, reader, shards, per_token, rows) in sets.items():
-                r = runs[hidden]
-                kw = {"seq_len": args.seq_len, "shards": shards, "pin": pin, "buffers": buffers[hidden]}
-                cold = {
-                    "disk": lambda shards=shards, per_token=per_token: sequential_read(shards) / per_token,
-                    "old_cold": lambda kw=kw, reader=reader, rows=rows: load_rate(reader, rows, cold=True, new=False, **kw),
-                    "new_cold": lambda kw=kw, reader=reader, rows=rows: load_rate(reader, rows, cold=True, new=True, **kw),
-                }  # fmt: skip
-                # The order rotates per repeat: a cache below the guest's (the host's, under a virtual disk)
-                # favours whichever cold read follows another one; rotating spreads that over all three.
-                names = list(cold)
-                for name in names[rep % 3 :] + names[: rep % 3]:
-                    r[name].append(cold[name]())
-                r["old_warm"].append(load_rate(reader, rows, cold=False, new=False, **kw))
-                r["new_warm"].append(load_rate(reader, rows, cold=False, new=True, **kw))
 
-        # The prefetch simulation on the Kimi dataset: rows of row_tokens, the step scaled to keep the rate.
-        root, reader, shards, per_token, _rows = sets[kimi.hidden_size]
-        sim_rows = rows_of(reader, args.row_tokens)
-        disk_tps = statistics.median(runs[kimi.hidden_size]["disk"])
-        rates = [("the Kimi rate (one H200)", need_tps), ("80% of the disk's median", 0.8 * disk_tps)]
-        sims = [(name, tps, depth) for name, tps in rates for depth in args.depths]
-        shares = {sim: [] for sim in sims}
-        worst = {sim: [] for sim in sims}
-        for _ in range(args.repeats):
-            for sim in sims:
-                name, tps, depth = sim
-                share, w = prefetch_share(
-                    str(root), sim_rows, args.row_tokens, args.row_tokens / tps, shards, device, depth
-                )
-                shares[sim].append(share)
-                worst[sim].append(w)
-        for h in sets:
-            sets[h][1].close()
-        table = [(h, sets[h][3], runs[h]) for h in sets]
+def measure_loaders(sets: dict, args, pin: bool) -> dict:
+    """hidden -> measurement -> tokens/s of each repeat: disk, old and new loader, cold and warm, interleaved."""
+    runs = {h: {k: [] for k in ("disk", "old_cold", "new_cold", "old_warm", "new_warm")} for h in sets}
+    buffers = {h: [None] * 3 for h in sets}
+    for rep in range(args.repeats):
+        for hidden, (_root, reader, shards, per_token, rows) in sets.items():
+            r = runs[hidden]
+            kw = {"seq_len": args.seq_len, "shards": shards, "pin": pin, "buffers": buffers[hidden]}
+            cold = {
+                "disk": lambda shards=shards, per_token=per_token: sequential_read(shards) / per_token,
+                "old_cold": lambda kw=kw, reader=reader, rows=rows: load_rate(reader, rows, cold=True, new=False, **kw),
+                "new_cold": lambda kw=kw, reader=reader, rows=rows: load_rate(reader, rows, cold=True, new=True, **kw),
+            }  # fmt: skip
+            # The order rotates per repeat: a cache below the guest's (the host's, under a virtual disk)
+            # favours whichever cold read follows another one; rotating spreads that over all three.
+            names = list(cold)
+            for name in names[rep % 3 :] + names[: rep % 3]:
+                r[name].append(cold[name]())
+            r["old_warm"].append(load_rate(reader, rows, cold=False, new=False, **kw))
+            r["new_warm"].append(load_rate(reader, rows, cold=False, new=True, **kw))
+    return runs
 
+
+def simulate_prefetch(kimi_set, sims, args, device) -> tuple[list, dict, dict]:
+    """The prefetch simulation on the Kimi dataset, rows of --row-tokens with the step scaled to keep the rate:
+    (its rows, fetch shares and worst fetches per (rate name, tokens/s, depth), one entry per repeat)."""
+    root, reader, shards, _per_token, _rows = kimi_set
+    sim_rows = rows_of(reader, args.row_tokens)
+    shares = {sim: [] for sim in sims}
+    worst = {sim: [] for sim in sims}
+    for _ in range(args.repeats):
+        for sim in sims:
+            _name, tps, depth = sim
+            share, w = prefetch_share(
+                str(root), sim_rows, args.row_tokens, args.row_tokens / tps, shards, device, depth
+            )
+            shares[sim].append(share)
+            worst[sim].append(w)
+    return sim_rows, shares, worst
+
+
+def print_loader_table(table, args, pin: bool) -> None:
     print(f"datasets: random bf16 states, documents of {args.doc_len} tokens on average, shards of "
           f"{args.shard_tokens} tokens; loader rows of {args.seq_len}; {args.repeats} interleaved repeats, "
           f"median (min..max); page cache dropped with posix_fadvise (the guest's cache: a host cache under a "
@@ -284,6 +278,37 @@ def main() -> int:
         old = statistics.median(r["old_cold"]) / statistics.median(r["disk"])
         print(f"{'':>6} {'':>9}  read_row cold / disk: {med:.0%} of medians, {best:.0%} of bests (the old loader "
               f"{old:.0%} of medians); read_row warm / cold: {statistics.median(r['new_warm']) / statistics.median(r['new_cold']):.1f} x")  # fmt: skip
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1)
+
+    from eagle3 import plan
+    from eagle3.flops import datasheet_peak, step_flops
+
+    kimi = plan.SHAPES["kimi-k2.5"]
+    flops = step_flops(
+        kimi, KIMI_ROW, KIMI_TTT, loss_chunk_size=4096, activation_checkpointing=True, doc_len=2048
+    )
+    peak = datasheet_peak("H200", "bf16")
+    step_s = flops["total"] / (args.mfu * peak)
+    need_tps = KIMI_ROW / step_s
+    pin = torch.cuda.is_available()
+    device = torch.device("cuda" if pin else "cpu")
+
+    with tempfile.TemporaryDirectory(prefix="eagle3_loader_", dir=os.environ.get("BENCH_DIR")) as tmp:
+        sets = make_sets(tmp, args, ((896, args.tokens), (kimi.hidden_size, args.kimi_tokens)))
+        runs = measure_loaders(sets, args, pin)
+        disk_tps = statistics.median(runs[kimi.hidden_size]["disk"])
+        rates = [("the Kimi rate (one H200)", need_tps), ("80% of the disk's median", 0.8 * disk_tps)]
+        sims = [(name, tps, depth) for name, tps in rates for depth in args.depths]
+        sim_rows, shares, worst = simulate_prefetch(sets[kimi.hidden_size], sims, args, device)
+        for h in sets:
+            sets[h][1].close()
+        table = [(h, sets[h][3], runs[h]) for h in sets]
+
+    print_loader_table(table, args, pin)
     kimi_per_token = table[-1][1]
     print(
         f"Kimi step (S {KIMI_ROW}, {KIMI_TTT} TTT steps, activation checkpointing, documents of 2048): "

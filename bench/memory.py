@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Memory figures for issue 7: measured bytes per token per TTT step at the 1/8-scaled Kimi shape, and the
+"""Memory figures: measured bytes per token per TTT step at the 1/8-scaled Kimi shape, and the
 planner's predictions for the full Kimi shape on 8 x 96 GiB.
 
     .venv-train/bin/python bench/memory.py [--seq-len 1024] [--ttt-steps 3] [--skip-measure]
@@ -32,46 +32,45 @@ sys.path.insert(0, str(ROOT / "training"))
 
 import torch  # noqa: E402
 from eagle3 import plan as P  # noqa: E402
-from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.memtrack import measure_planned_step  # noqa: E402
-from eagle3.options import resolve_options  # noqa: E402
 
 KIB = 1024
 
 
-def planned(device: str, world_size: int = 1, on_cpu: bool = False, **keys) -> P.Options:
-    """The planner's options for trainer config keys on `device`, resolved as the trainer resolves them;
-    `on_cpu`: that recipe run here on CPU with the exact attention path."""
-    opts = P.Options.from_run(resolve_options(TrainConfig(**keys), device, world_size), reserve_gib=0.0)
-    return dataclasses.replace(opts, device="cpu", attention="exact") if on_cpu else opts
+def planned(shape, device: str, world_size: int = 1, on_cpu: bool = False, **keys) -> P.RunSpec:
+    """The spec of trainer config keys for `shape` on `device`, resolved as the trainer resolves it, nothing
+    reserved; `on_cpu`: that recipe run here on CPU with the exact attention path."""
+    spec = P.spec_for(shape, world_size, device=device, **keys)
+    spec = dataclasses.replace(spec, reserve_gib=0.0, allocator_factor=1.0)
+    return spec.with_run(device="cpu", attention="exact") if on_cpu else spec
 
 
-def option_sets() -> dict[str, P.Options]:
+def option_sets(shape, ttt_steps: int) -> dict[str, P.RunSpec]:
+    t = {"ttt_steps": ttt_steps}
     return {
-        "fp32 (CPU default)": planned("cpu"),
-        "bf16 autocast (CUDA recipe)": planned("cuda", on_cpu=True),
-        "bf16 + activation checkpointing": planned("cuda", on_cpu=True, activation_checkpointing=True),
-        "bf16 + small loss chunks (512)": planned("cuda", on_cpu=True, loss_chunk_size=512),
+        "fp32 (CPU default)": planned(shape, "cpu", **t),
+        "bf16 autocast (CUDA recipe)": planned(shape, "cuda", on_cpu=True, **t),
+        "bf16 + activation checkpointing": planned(
+            shape, "cuda", on_cpu=True, activation_checkpointing=True, **t
+        ),
+        "bf16 + small loss chunks (512)": planned(shape, "cuda", on_cpu=True, loss_chunk_size=512, **t),
     }
-
-
-def measure(shape: P.Shape, opts: P.Options, seq_len: int, ttt_steps: int):
-    return measure_planned_step(shape, seq_len, ttt_steps, opts)
 
 
 def part_a(seq_len: int, ttt_steps: int) -> None:
     shape = P.SHAPES["kimi-k2.5-eighth"]
     per = seq_len * ttt_steps
-    print(f"(a) Kimi/8 shape {dataclasses.asdict(shape)}")
+    print(f"(a) Kimi/8 shape {shape.to_dict()}")
     print(f"    S={seq_len}, ttt_steps={ttt_steps}; KiB per token per TTT step (measured | planner)")
     print(f"    {'options':34} {'held/tok/step':>21} {'peak/tok/step':>21} {'marginal step':>21} {'s':>5}")
-    for name, opts in option_sets().items():
+    for name, spec in option_sets(shape, ttt_steps).items():
         started = time.monotonic()
-        full = measure(shape, opts, seq_len, ttt_steps)
-        fewer = measure(shape, opts, seq_len, ttt_steps - 1)
-        held_p = P.activation_bytes(shape, seq_len, ttt_steps, opts)
-        peak_p = P.dynamic_bytes(shape, seq_len, ttt_steps, opts)
-        marg_p = held_p - P.activation_bytes(shape, seq_len, ttt_steps - 1, opts)
+        fewer_spec = spec.with_run(ttt_steps=ttt_steps - 1)
+        full = measure_planned_step(spec, seq_len)
+        fewer = measure_planned_step(fewer_spec, seq_len)
+        held_p = P.activation_bytes(spec, seq_len)
+        peak_p = P.dynamic_bytes(spec, seq_len)
+        marg_p = held_p - P.activation_bytes(fewer_spec, seq_len)
         cells = [
             (full.forward / per, held_p / per),
             (full.peak / per, peak_p / per),
@@ -80,16 +79,16 @@ def part_a(seq_len: int, ttt_steps: int) -> None:
         text = " ".join(f"{m / KIB:9.1f} | {p / KIB:9.1f}" for m, p in cells)
         print(f"    {name:34} {text} {time.monotonic() - started:5.1f}", flush=True)
     for label, o in (
-        ("flex, CUDA recipe", planned("cuda")),
-        ("flex + checkpointing", planned("cuda", activation_checkpointing=True)),
+        ("flex, CUDA recipe", planned(shape, "cuda", ttt_steps=ttt_steps)),
+        ("flex + checkpointing", planned(shape, "cuda", activation_checkpointing=True, ttt_steps=ttt_steps)),
     ):
-        held = P.activation_bytes(shape, seq_len, ttt_steps, o)
-        marg = held - P.activation_bytes(shape, seq_len, ttt_steps - 1, o)
+        held = P.activation_bytes(o, seq_len)
+        marg = held - P.activation_bytes(o.with_run(ttt_steps=ttt_steps - 1), seq_len)
         print(
             f"    {label + ' (planner only)':34} held {held / per / KIB:9.1f}   marginal step {marg / seq_len / KIB:9.1f}"
         )
-    fsdp = P.static_bytes(shape, planned("cuda", 8, fsdp=True), 8) / P.GIB
-    ddp = P.static_bytes(shape, planned("cuda", 8), 8) / P.GIB
+    fsdp = P.static_bytes(planned(shape, "cuda", 8, fsdp=True)) / P.GIB
+    ddp = P.static_bytes(planned(shape, "cuda", 8)) / P.GIB
     print(
         f"    static per rank, 8 ranks: DDP {ddp:.2f} GiB, FSDP2 {fsdp:.2f} GiB (planner only: needs 8 ranks)"
     )
@@ -98,14 +97,10 @@ def part_a(seq_len: int, ttt_steps: int) -> None:
 def part_b() -> None:
     kimi = P.SHAPES["kimi-k2.5"]
     sets = {  # the reserve of a CUDA run (1 GiB) included
-        "none (DDP, bf16 autocast)": P.options_from_config(TrainConfig(), "cuda", 8),
-        "activation checkpointing": P.options_from_config(
-            TrainConfig(activation_checkpointing=True), "cuda", 8
-        ),
-        "fsdp": P.options_from_config(TrainConfig(fsdp=True), "cuda", 8),
-        "checkpointing + fsdp": P.options_from_config(
-            TrainConfig(activation_checkpointing=True, fsdp=True), "cuda", 8
-        ),
+        "none (DDP, bf16 autocast)": P.on_cuda(kimi, 8),
+        "activation checkpointing": P.on_cuda(kimi, 8, activation_checkpointing=True),
+        "fsdp": P.on_cuda(kimi, 8, fsdp=True),
+        "checkpointing + fsdp": P.on_cuda(kimi, 8, activation_checkpointing=True, fsdp=True),
     }
     lengths = (16384, 24576, 32768)
     print(
@@ -117,8 +112,8 @@ def part_b() -> None:
         + f" {'static':>8} {'largest fitting':>16}"
     )
     for name, opts in sets.items():
-        peaks = [P.predict_peak_bytes(kimi, s, 5, opts, 8) / P.GIB for s in lengths]
-        plan = P.make_plan(kimi, opts, ttt_steps=5, world_size=8, memory_gb=96, margin=0.1, lengths=lengths)
+        peaks = [P.predict_peak_bytes(opts, s) / P.GIB for s in lengths]
+        plan = P.make_plan(opts, memory_gb=96, margin=0.1, lengths=lengths)
         print(
             f"    {name:30} "
             + " ".join(f"{p:8.1f}" for p in peaks)
@@ -126,7 +121,7 @@ def part_b() -> None:
         )
     on = sets["checkpointing + fsdp"]
     print("\n    where the bytes go at 32768, checkpointing + fsdp (GiB):")
-    for part, value in P.breakdown(kimi, 32768, 5, on, 8).items():
+    for part, value in P.breakdown(on, 32768).items():
         print(f"      {part:10} {value}")
 
 

@@ -72,7 +72,7 @@ def tiny_model(data_dir: str):
     from eagle3.config import TrainConfig
     from eagle3.data import DatasetReader
     from eagle3.model import Eagle3Drafter
-    from eagle3.train import drafter_config
+    from eagle3.spec import drafter_config
 
     reader = DatasetReader(data_dir)
     model = Eagle3Drafter(drafter_config(TrainConfig(data_dir=data_dir, run_dir="-"), reader.index))
@@ -121,15 +121,14 @@ def worker_throughput(args) -> dict:
     sys_s = resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys0  # page faults, mostly
     ew_ns = elementwise_ns(args.seq_len, model.cfg.intermediate_size)
     from eagle3.flops import step_flops
-    from eagle3.options import SHAPE_KEYS
-    from eagle3.plan import Shape
+    from eagle3.spec import SHAPE_KEYS
 
     shape = {k: getattr(model.cfg, k) for k in (*SHAPE_KEYS, "num_kv_heads")}
     flop = 0
     for row in rows:
         doc = row["document_ids"]
         docs = torch.unique_consecutive(doc[doc >= 0], return_counts=True)[1].tolist()
-        flop += step_flops(Shape(**shape), args.seq_len, args.ttt_steps, doc_len=docs,
+        flop += step_flops(model.cfg, args.seq_len, args.ttt_steps, doc_len=docs,
                            activation_checkpointing=forward["activation_checkpointing"])["total"]  # fmt: skip
     return {
         "shape": shape,
@@ -151,12 +150,13 @@ def worker_throughput(args) -> dict:
 def planned_memory_options(cfg, seq_len: int, ttt_steps: int, budget_mib: float):
     """(activation_checkpointing, loss_chunk_size) the planner picks for a CPU fp32 run of this drafter at
     `seq_len` within `budget_mib` of predicted peak (no reserve: the interpreter and torch are not counted)."""
-    from eagle3 import plan
-    from eagle3.options import SHAPE_KEYS
+    import dataclasses
 
-    shape = plan.Shape(**{k: getattr(cfg, k) for k in SHAPE_KEYS}, num_kv_heads=cfg.num_kv_heads)
-    opts = plan.Options(autocast=False, frozen_bf16=False, attention="exact", device="cpu", reserve_gib=0)
-    choice = plan.memory_options_choice(shape, seq_len, ttt_steps, opts, 1, int(budget_mib * 2**20))
+    from eagle3 import plan
+
+    spec = plan.spec_for(cfg, device="cpu", dtype="fp32", attention="exact", ttt_steps=ttt_steps)
+    spec = dataclasses.replace(spec, reserve_gib=0.0, allocator_factor=1.0)
+    choice = plan.memory_options_choice(spec, seq_len, int(budget_mib * 2**20))
     if choice is None:
         raise SystemExit(f"nothing fits {budget_mib} MiB at max_seq_len {seq_len}")
     return choice
@@ -165,7 +165,8 @@ def planned_memory_options(cfg, seq_len: int, ttt_steps: int, budget_mib: float)
 def eighth_model(s: int, doc_len: int = 512):
     """The 1/8-Kimi drafter with random target weights and one random packed row of `s` slots (documents of
     `doc_len`): the issue's shape for the speed and saved-bytes figures."""
-    from eagle3.model import DrafterConfig, Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
+    from eagle3.spec import DrafterConfig
 
     h, vt, vd = 896, 20480, 4000
     cfg = DrafterConfig(

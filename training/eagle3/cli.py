@@ -144,7 +144,7 @@ def cmd_import(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from eagle3.data import import_speculators
+    from eagle3.importer import import_speculators
 
     try:
         aux = tuple(int(v) for v in args.aux_layer_ids.split(","))

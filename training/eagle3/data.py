@@ -1,4 +1,4 @@
-"""The native dataset format: safetensors shards + `index.json`, and the importer from speculators.
+"""The native dataset format: safetensors shards + `index.json`, its reader and its writer.
 
 Layout of a dataset directory:
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.errors import DataError
+from eagle3.shardfile import ShardFile, TensorEntry, load_tensors, open_shard
 
 FORMAT_NAME = "eagle3-native"
 FORMAT_VERSION = 1
@@ -209,13 +209,13 @@ class DatasetReader:
 
     def __init__(self, root: str | os.PathLike, max_open: int = 8):
         self.index = read_index(root)
-        self._open: OrderedDict[int, _Shard] = OrderedDict()
+        self._open: OrderedDict[int, ShardFile] = OrderedDict()
         self._max_open = max_open
 
-    def _shard(self, n: int) -> _Shard:
+    def _shard(self, n: int) -> ShardFile:
         handle = self._open.get(n)
         if handle is None:
-            handle = _Shard(self.index.root / self.index.shard_files[n])
+            handle = ShardFile(self.index.root / self.index.shard_files[n])
             self._open[n] = handle
             if len(self._open) > self._max_open:
                 self._open.popitem(last=False)[1].close()
@@ -232,7 +232,7 @@ class DatasetReader:
         idx = self.index
         h = idx.hidden_size
         for n, name in enumerate(idx.shard_files):
-            handle = _open_shard(idx.root / name)
+            handle = open_shard(idx.root / name)
             keys = set(handle.keys())
             shard = idx.meta["shards"][n]
             for i in range(shard["first_sample"], shard["first_sample"] + len(shard["lengths"])):
@@ -259,12 +259,12 @@ class DatasetReader:
             (VOCAB_FILE, ("t2d", "d2t")),
             (TARGET_FILE, ("embed", "final_norm", "lm_head")),
         ):
-            handle = _open_shard(idx.root / file_name)
+            handle = open_shard(idx.root / file_name)
             missing = [k for k in keys if k not in set(handle.keys())]
             if missing:
                 raise DataError(f"{idx.root / file_name} lacks {missing}; regenerate the dataset")
 
-    def _fields(self, sample_id: int) -> tuple[_Shard, list[tuple[str, _Tensor]]]:
+    def _fields(self, sample_id: int) -> tuple[ShardFile, list[tuple[str, TensorEntry]]]:
         """The shard of a sample and its four tensors' entries, their shapes checked against the index."""
         n = self.index.shard_of[sample_id]
         shard = self._shard(n)
@@ -294,7 +294,7 @@ class DatasetReader:
         return shard, out
 
     @staticmethod
-    def _read_field(shard: _Shard, entry, rows: int, dest: torch.Tensor) -> None:
+    def _read_field(shard: ShardFile, entry, rows: int, dest: torch.Tensor) -> None:
         """`rows` rows of a field into `dest`, dequantizing an 8-bit one (entry = (values, scales))."""
         if isinstance(entry, tuple):
             values, scales = entry
@@ -417,128 +417,6 @@ class DatasetReader:
                 got = list(tensors[key].shape) if key in tensors else "missing"
                 raise DataError(f"{TARGET_FILE}: {key} is {got}, expected {shape} from index.json")
         return tensors
-
-
-ST_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-MAX_READ = 1 << 30  # bytes per preadv call (Linux caps one read near 2 GiB)
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    end: int
-
-
-class _Shard:
-    """One open safetensors file read with preadv: the header parsed once (name -> dtype, shape, byte range),
-    checked against the file's size so that a truncated shard fails here with DataError."""
-
-    def __init__(self, path: Path):
-        if not path.is_file():
-            raise DataError(
-                f"dataset file {str(path)!r} is missing; the dataset is incomplete, regenerate or re-import it"
-            )
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        try:
-            self.tensors = self._parse(os.fstat(self.fd).st_size)
-        except BaseException:
-            self.close()
-            raise
-
-    def _parse(self, size: int) -> dict[str, _Tensor]:
-        def corrupt(why: str) -> DataError:
-            return DataError(
-                f"dataset file {str(self.path)!r} is corrupt ({why}); regenerate or re-import it"
-            )
-
-        head = os.pread(self.fd, 8, 0)
-        if len(head) != 8:
-            raise corrupt("no safetensors header")
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise corrupt(f"header of {n} bytes in a file of {size}")
-        try:
-            header = json.loads(os.pread(self.fd, n, 8))
-        except ValueError as e:
-            raise corrupt(f"header is not JSON: {e}") from e
-        base = 8 + n
-        out = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype = ST_DTYPES[info["dtype"]]
-                begin, end = (int(v) for v in info["data_offsets"])
-                shape = tuple(int(v) for v in info["shape"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise corrupt(f"tensor {name!r}: {e!r}") from e
-            count = 1
-            for d in shape:
-                count *= d
-            if end - begin != count * dtype.itemsize or base + end > size:
-                raise corrupt(f"tensor {name!r} bytes {begin}..{end} do not fit the file of {size} bytes")
-            out[name] = _Tensor(dtype, shape, base + begin, base + end)
-        return out
-
-    def read_rows(self, entry: _Tensor, rows: int, dest: torch.Tensor) -> None:
-        """The first `rows` rows of `entry` into the contiguous tensor `dest` (same dtype and row size)."""
-        want = (entry.end - entry.start) // max(entry.shape[0], 1) * rows
-        if dest.numel() * dest.element_size() != want or not dest.is_contiguous():
-            raise ValueError(f"destination of {dest.numel() * dest.element_size()} bytes for {want}")
-        if want == 0:
-            return
-        view = memoryview(dest.view(torch.uint8).numpy()).cast("B")
-        done = 0
-        while done < want:
-            got = os.preadv(self.fd, [view[done : done + MAX_READ]], entry.start + done)
-            if got <= 0:
-                raise DataError(
-                    f"dataset file {str(self.path)!r} is corrupt (short read at byte {entry.start + done}); "
-                    "regenerate or re-import it"
-                )
-            done += got
-
-    def keys(self):
-        return self.tensors.keys()
-
-    def close(self) -> None:
-        fd, self.fd = getattr(self, "fd", -1), -1
-        if fd >= 0:
-            os.close(fd)
-
-    def __del__(self):
-        self.close()
-
-
-def _open_shard(path: Path):
-    if not path.is_file():
-        raise DataError(
-            f"dataset file {str(path)!r} is missing; the dataset is incomplete, regenerate or re-import it"
-        )
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # a truncated or overwritten file fails in the header check
-        raise DataError(f"dataset file {str(path)!r} is corrupt ({e}); regenerate or re-import it") from e
-
-
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    handle = _open_shard(path)
-    return {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 - safe_open is not iterable
 
 
 def sample_tensors(
@@ -688,146 +566,3 @@ def masked_token_counts(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab:
     [0, 0, 2, 1]
     """
     return torch.bincount(input_ids[loss_mask.to(torch.bool)], minlength=vocab)[:vocab]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Import from the speculators offline layout.
-
-
-def _read_loss_masks(src: Path) -> dict[int, tuple[list[int], list[int]]]:
-    """`loss_masks.jsonl` beside `hidden_states/`: one JSON object per line with
-    `index` (optional; the line number otherwise), `input_ids` and `loss_mask` (the prepared dataset's columns)."""
-    path = src / "loss_masks.jsonl"
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    if not path.is_file():
-        return out
-    with path.open() as f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            out[int(rec.get("index", n))] = (rec.get("input_ids", []), rec["loss_mask"])
-    return out
-
-
-def import_speculators(
-    src: str | os.PathLike,
-    out: str | os.PathLike,
-    *,
-    target_weights: str | os.PathLike,
-    draft_vocab_size: int,
-    aux_layer_ids: tuple[int, int, int],
-    dtype: torch.dtype = torch.bfloat16,
-    progress: bool = False,
-) -> Path:
-    """Convert `SRC/hidden_states/hs_{i}.safetensors` (`token_ids [S]`, `hidden_states [S, 4, H]`: three aux
-    layers then the last layer before the final norm) into the native format.
-
-    Loss masks come from a `loss_mask` tensor inside each hs file if present, else from `SRC/loss_masks.jsonl`
-    (export of the prepared dataset's `input_ids`/`loss_mask` columns). `target_weights` is a safetensors file
-    with `embed`, `final_norm`, `lm_head` (or HF names `model.embed_tokens.weight`, `model.norm.weight`,
-    `lm_head.weight`), or an HF model directory whose `model.safetensors.index.json` locates those tensors.
-    """
-    src, out = Path(src), Path(out)
-    hs_dir = src / "hidden_states"
-    files = sorted(hs_dir.glob("hs_*.safetensors"), key=lambda p: int(p.stem.split("_")[1]))
-    if not files:
-        raise DataError(
-            f"no hidden_states/hs_*.safetensors under {str(src)!r}; point SRC at a speculators data dir"
-        )
-    masks = _read_loss_masks(src)
-    target = load_target_weights(Path(target_weights))
-    vocab, hidden = target["embed"].shape
-    writer: DatasetWriter | None = None
-    counts = torch.zeros(vocab, dtype=torch.long)
-    bar = None
-    if progress:  # a bar on stderr, plain lines when it is not a terminal
-        from eagle3.progress import Progress
-
-        bar = Progress(len(files), "import: files")
-    for path in files:
-        i = int(path.stem.split("_")[1])
-        tensors = load_tensors(path)
-        if "token_ids" not in tensors or "hidden_states" not in tensors:
-            raise DataError(f"{path} lacks token_ids/hidden_states (has {sorted(tensors)})")
-        ids = tensors["token_ids"].to(torch.long).flatten()  # [S]
-        hs = tensors["hidden_states"]  # [S, 4, H]
-        if hs.dim() != 3 or hs.shape[1] != 4 or hs.shape[0] != ids.numel():
-            raise DataError(f"{path}: hidden_states {list(hs.shape)}, expected [{ids.numel()}, 4, H]")
-        if hs.shape[2] != hidden:
-            raise DataError(
-                f"{path}: hidden size {hs.shape[2]} does not match the target weights' {hidden}; "
-                "use the target model the hidden states were generated with"
-            )
-        if "loss_mask" in tensors:
-            mask = tensors["loss_mask"].to(torch.bool).flatten()
-        elif i in masks:
-            mask_ids, mask_list = masks[i]
-            mask = torch.tensor(mask_list, dtype=torch.bool)[: ids.numel()]
-            if mask_ids and list(mask_ids[: ids.numel()]) != ids.tolist():
-                raise DataError(f"loss_masks.jsonl record {i}: input_ids differ from {path.name}'s token_ids")
-        else:
-            raise DataError(
-                f"no loss mask for {path.name}: add a loss_mask tensor or a line {i} to loss_masks.jsonl"
-            )
-        if mask.numel() != ids.numel():
-            raise DataError(f"{path.name}: loss_mask has {mask.numel()} entries, token_ids {ids.numel()}")
-        if int(ids.max()) >= vocab:
-            raise DataError(f"{path.name}: token id {int(ids.max())} outside the target vocab of {vocab}")
-        if writer is None:
-            writer = DatasetWriter(out, hidden, dtype)
-        aux = hs[:, :3, :].reshape(ids.numel(), 3 * hidden)  # [S, 3H]
-        writer.add(ids, mask, aux, hs[:, 3, :])
-        counts += masked_token_counts(ids, mask, vocab)
-        if bar is not None:
-            bar.update()
-    if bar is not None:
-        bar.close()
-    assert writer is not None
-    d2t, t2d = build_vocab_mapping(counts, draft_vocab_size)
-    return writer.finish(
-        target_vocab_size=vocab,
-        draft_vocab_size=draft_vocab_size,
-        aux_layer_ids=aux_layer_ids,
-        t2d=t2d,
-        d2t=d2t,
-        embed=target["embed"],
-        final_norm=target["final_norm"],
-        lm_head=target["lm_head"],
-        extra={"source": f"speculators:{src}"},
-    )
-
-
-HF_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "final_norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-}
-
-
-def load_target_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The three frozen target tensors from a safetensors file or an HF model directory."""
-    if path.is_dir():
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            out = {}
-            for ours, theirs in HF_NAMES.items():
-                if theirs not in weight_map:
-                    raise DataError(f"{index} does not list {theirs}; is this a causal LM checkpoint?")
-                with safe_open(str(path / weight_map[theirs]), framework="pt") as f:
-                    out[ours] = f.get_tensor(theirs)
-            return out
-        path = path / "model.safetensors"
-    tensors = load_tensors(path)
-    out = {}
-    for ours, theirs in HF_NAMES.items():
-        if ours in tensors:
-            out[ours] = tensors[ours]
-        elif theirs in tensors:
-            out[ours] = tensors[theirs]
-        elif ours == "lm_head" and "embed" in out:
-            out[ours] = out["embed"]  # tied embeddings
-        else:
-            raise DataError(f"{path} has neither {ours!r} nor {theirs!r}")
-    return out

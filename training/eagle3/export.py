@@ -30,12 +30,10 @@ from eagle3.rope import normalize_rope_scaling
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
-# Never exported: the teacher (frozen target head rows and final norm), and the out-of-draft-vocab rows.
-_TEACHER_PREFIXES = ("verifier_norm.", "verifier_lm_head.", "verifier_lm_head_rest", "rest_target_ids")
-
 
 def exported_names(cfg: DrafterConfig, include_embed_tokens: bool) -> list[str]:
-    """Tensor names in model.safetensors, speculators spelling.
+    """Tensor names in model.safetensors, speculators spelling. The teacher (the target's frozen final norm and
+    head rows, kept in the drafter for the loss) is never exported.
 
     >>> from eagle3.model import DrafterConfig
     >>> names = exported_names(DrafterConfig(64, 4, 16, 128, 512, 1024, (1, 2, 3)), False)
@@ -270,12 +268,9 @@ def _rope(layer: dict, source: str) -> tuple[float, dict | None]:
     return next(iter(thetas.values())), next(iter(scalings.values()), None)
 
 
-def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig:
-    """DrafterConfig from a speculators eagle3 config.json dictionary.
-
-    Strict: an unknown field, a value this drafter cannot run, or a missing field that changes the drafter
-    (eagle_aux_hidden_state_layer_ids, norm_before_residual, rope_theta, ...) raises ConfigError naming it.
-    """
+def _transformer_layer(config: dict, source: str) -> dict:
+    """The config's transformer_layer_config, once the top level, that layer and speculators_config hold only
+    fields this drafter knows, with the values it implements; ConfigError naming the first that does not."""
     if config.get("speculators_model_type") != "eagle3":
         raise ConfigError(
             f"{source}: speculators_model_type={config.get('speculators_model_type')!r}, expected 'eagle3'"
@@ -304,6 +299,16 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
             raise ConfigError(
                 f"{source}: speculators_config.algorithm={spec['algorithm']!r}, expected 'eagle3'"
             )
+    return layer
+
+
+def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig:
+    """DrafterConfig from a speculators eagle3 config.json dictionary.
+
+    Strict: an unknown field, a value this drafter cannot run, or a missing field that changes the drafter
+    (eagle_aux_hidden_state_layer_ids, norm_before_residual, rope_theta, ...) raises ConfigError naming it.
+    """
+    layer = _transformer_layer(config, source)
     if "norm_before_residual" not in config:
         raise ConfigError(
             f"{source}: norm_before_residual=absent; vLLM then assumes true, speculators false: "

@@ -300,52 +300,13 @@ def generate(
     log=print,
 ) -> Path | None:
     """Write the dataset (see the module's docstring); returns index.json's path on rank 0, None elsewhere."""
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from eagle3.data import (
-        DTYPES,
-        FP8,
-        INDEX_FILE,
-    )
+    from transformers import AutoConfig
 
     target, out = Path(target_dir), Path(out_dir)
-    if not (target / "config.json").is_file():
-        raise ConfigError(
-            f"generate: {target} is not a model folder (no config.json); give a local target folder"
-        )
-    if dtype not in DTYPES:
-        raise ConfigError(f"generate: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    store = DTYPES[dtype]
-    if shard_samples < 1 or max_len < 2:
-        raise ConfigError("generate: --shard-samples must be at least 1 and --max-len at least 2")
-    if (out / INDEX_FILE).is_file():
-        raise ConfigError(
-            f"generate: {out} already holds a finished dataset ({INDEX_FILE}); choose another folder"
-        )
+    store = _check_arguments(target, out, dtype, shard_samples, max_len)
     config = AutoConfig.from_pretrained(target, local_files_only=True)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = aux_layers or default_aux_layers(text_config.num_hidden_layers)
-    if len(set(layers)) != 3 or not all(0 <= i < text_config.num_hidden_layers for i in layers):
-        raise ConfigError(
-            f"generate: aux layers {list(layers)} must be 3 distinct layers of the target's "
-            f"{text_config.num_hidden_layers} (0 .. {text_config.num_hidden_layers - 1})"
-        )
-    vocab = text_config.vocab_size
-    draft = draft_vocab or vocab
-    if not 1 <= draft <= vocab:
-        raise ConfigError(
-            f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
-    )
-    model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = (
-        AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
-    )
+    layers, vocab, draft = _target_shape(config, aux_layers, draft_vocab)
+    tokenizer, model = _load_target(target, device)
     records = read_records(Path(data))
     out.mkdir(parents=True, exist_ok=True)
     if regenerate_responses:
@@ -365,6 +326,77 @@ def generate(
     if rank == 0:
         _claim_folder(out, digest, settings, len(samples))
     shards = [range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)]
+    complete = _shard_check(out, shards, store)
+    mine = [n for n in range(len(shards)) if n % world_size == rank]
+    todo = [n for n in mine if not complete(n)]
+    if len(todo) < len(mine):
+        log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
+    _write_shards(model, layers, samples, shards, todo, out, store, rank, log)
+    if rank != 0:
+        return None
+    return _finish(
+        model, config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, log
+    )
+
+
+def _check_arguments(target: Path, out: Path, dtype: str, shard_samples: int, max_len: int):
+    """The storage dtype; ConfigError for a target that is no model, bad settings or a finished `out`."""
+    from eagle3.data import DTYPES, INDEX_FILE
+
+    if not (target / "config.json").is_file():
+        raise ConfigError(
+            f"generate: {target} is not a model folder (no config.json); give a local target folder"
+        )
+    if dtype not in DTYPES:
+        raise ConfigError(f"generate: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    if shard_samples < 1 or max_len < 2:
+        raise ConfigError("generate: --shard-samples must be at least 1 and --max-len at least 2")
+    if (out / INDEX_FILE).is_file():
+        raise ConfigError(
+            f"generate: {out} already holds a finished dataset ({INDEX_FILE}); choose another folder"
+        )
+    return DTYPES[dtype]
+
+
+def _target_shape(config, aux_layers, draft_vocab: int) -> tuple[tuple[int, int, int], int, int]:
+    """(aux layers, target vocab, draft vocab), the defaults where none is given; ConfigError if they don't fit."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = aux_layers or default_aux_layers(text_config.num_hidden_layers)
+    if len(set(layers)) != 3 or not all(0 <= i < text_config.num_hidden_layers for i in layers):
+        raise ConfigError(
+            f"generate: aux layers {list(layers)} must be 3 distinct layers of the target's "
+            f"{text_config.num_hidden_layers} (0 .. {text_config.num_hidden_layers - 1})"
+        )
+    vocab = text_config.vocab_size
+    draft = draft_vocab or vocab
+    if not 1 <= draft <= vocab:
+        raise ConfigError(
+            f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}"
+        )
+    return layers, vocab, draft
+
+
+def _load_target(target: Path, device: str):
+    """(tokenizer, model in eval mode); device "auto" is CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
+    model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = (
+        AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
+    )
+    return tokenizer, model
+
+
+def _shard_check(out: Path, shards: list[range], store):
+    """complete(n): shard n is on disk with all its tensors (4 per sample, 6 with 8-bit scales); resume skips it."""
+    from safetensors import safe_open
+
+    from eagle3.data import FP8
 
     def complete(n: int) -> bool:
         path = out / SHARD_NAME.format(n)
@@ -376,16 +408,7 @@ def generate(
         except Exception:
             return False
 
-    mine = [n for n in range(len(shards)) if n % world_size == rank]
-    todo = [n for n in mine if not complete(n)]
-    if len(todo) < len(mine):
-        log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
-    _write_shards(model, layers, samples, shards, todo, out, store, rank, log)
-    if rank != 0:
-        return None
-    return _finish(
-        model, config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, log
-    )
+    return complete
 
 
 def _claim_folder(out: Path, digest: str, settings: dict, count: int) -> None:

@@ -21,7 +21,6 @@ from eagle3.model import STAT_KEYS  # the sum/count pairs ttt_forward returns: o
 TIMER_KEYS = ("fetch", "fwd", "bwd", "opt")
 # Extra scalars reduced with the stats: summed across ranks, except peak memory (max).
 SCALAR_SUM_KEYS = ("tokens", "rows", "steps", *TIMER_KEYS)
-PHASES = ("starting", "training", "validating", "checkpointing", "done", "stopped", "failed")
 
 
 class StatAccumulator:

@@ -92,13 +92,13 @@ def planner_prediction(run_dir: Path, config: dict, world_size: int) -> tuple[fl
         return None, "no config.yaml"
     try:
         from eagle3.config import build_config
-        from eagle3.plan.cli import shape_from_config
-        from eagle3.plan.model import GIB, options_from_config, predict_peak_bytes
+        from eagle3.data import read_index
+        from eagle3.plan.model import GIB, predict_peak_bytes
+        from eagle3.spec import resolve_spec
 
         cfg = build_config(config, {})
-        shape, _ = shape_from_config(cfg)
-        opts = options_from_config(cfg, cfg.device, world_size)
-        return predict_peak_bytes(shape, cfg.max_seq_len, cfg.ttt_steps, opts, world_size) / GIB, "planner"
+        spec = resolve_spec(cfg, read_index(cfg.data_dir), cfg.device, world_size)
+        return predict_peak_bytes(spec, cfg.max_seq_len) / GIB, "planner"
     except Exception as e:  # the dataset moved, an older config: the panel says so instead
         return None, f"no planner prediction ({type(e).__name__}: {str(e)[:80]})"
 
@@ -187,23 +187,7 @@ def _per_ttt(ax, runs: list[Run], key: str, val_key: str | None, ylabel: str) ->
     ax.legend(fontsize=6, ncol=2)
 
 
-def render_figure(runs: list[Run]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(16, 18), dpi=80, layout="constrained")
-    axes = fig.subplots(4, 2).flatten()
-    for ax, title in zip(axes, PANELS, strict=True):
-        ax.set_title(title, fontsize=11)
-        ax.grid(alpha=0.3)
-
-    _per_ttt(axes[0], runs, "loss_per_step", "loss_per_step", "loss (forward KL; dots: validation)")
-    _per_ttt(axes[1], runs, "full_acc", "full_acc", "top-1 accuracy, all positions (dots: validation)")
-    _per_ttt(axes[2], runs, "cond_acc", "cond_acc", "top-1 accuracy given earlier steps right")
-
-    ax = axes[3]
+def _acceptance_panel(ax, runs: list[Run]) -> None:
     drawn = False
     for i, run in enumerate(runs):
         xs, ys = _series(run.val, "acceptance_length")
@@ -223,7 +207,8 @@ def render_figure(runs: list[Run]):
     else:
         _empty(ax, "no validation yet: the acceptance length appears after the first one (val_every)")
 
-    ax = axes[4]
+
+def _throughput_panel(ax, runs: list[Run]) -> None:
     drawn = False
     for i, run in enumerate(runs):
         xs, ys = _series(run.train, "tokens_per_s")
@@ -239,8 +224,9 @@ def render_figure(runs: list[Run]):
     else:
         _empty(ax, "no train records yet")
 
-    ax = axes[5]
-    labels, lefts = [], []
+
+def _time_split_panel(ax, runs: list[Run]) -> None:
+    labels = []
     rows = [(run, [r for r in run.train if isinstance(r.get("time_split"), dict)]) for run in runs]
     rows = [(run, recs) for run, recs in rows if recs]
     for y, (run, recs) in enumerate(rows):
@@ -250,7 +236,6 @@ def render_figure(runs: list[Run]):
             ax.barh(y, ms, left=left, color=f"C{j}", label=name if y == 0 else None)
             left += ms
         labels.append(run.label)
-        lefts.append(left)
     if rows:
         ax.set_yticks(range(len(rows)), labels, fontsize=8)
         ax.set_xlabel("ms per step (mean over the run's records)")
@@ -258,7 +243,8 @@ def render_figure(runs: list[Run]):
     else:
         _empty(ax, "no train records yet")
 
-    ax = axes[6]
+
+def _memory_panel(ax, runs: list[Run]) -> None:
     drawn = False
     width = 0.8 / max(1, len(runs))
     for i, run in enumerate(runs):
@@ -288,7 +274,25 @@ def render_figure(runs: list[Run]):
     else:
         _empty(ax, "no train records yet")
 
-    ax = axes[7]
+
+def _plot_gpu_samples(ax, ax2, i: int, run: Run, samples: list[dict]) -> None:
+    """One run's power (solid, left axis) and utilisation (dotted, right axis) per GPU, starved samples marked."""
+    t0 = samples[0]["time"]
+    for g in samples[0]["gpus"]:
+        idx = g["index"]
+        pts = [(s["time"] - t0) / 60 for s in samples]
+        per = [next((x for x in s["gpus"] if x["index"] == idx), {}) for s in samples]
+        ax.plot(pts, [p.get("power_w") for p in per], color=f"C{i % 10}", alpha=0.8,
+                label=f"{run.label} gpu{idx} power")  # fmt: skip
+        ax2.plot(pts, [p.get("util_pct") for p in per], color=f"C{i % 10}", linestyle=":", alpha=0.8,
+                 label=f"{run.label} gpu{idx} util")  # fmt: skip
+        starved = [(t, p.get("power_w")) for t, p in zip(pts, per, strict=True) if p.get("starved")]
+        if starved:
+            ax.plot(*zip(*starved, strict=True), "rx", markersize=7,
+                    label="starved (util >= 90 %, power < 50 % of limit)" if i == 0 and idx == 0 else None)  # fmt: skip
+
+
+def _gpu_panel(ax, runs: list[Run]) -> None:
     drawn = False
     notes = []
     ax2 = None
@@ -298,21 +302,9 @@ def render_figure(runs: list[Run]):
             note = next((s.get("note") for s in run.gpu if s.get("note")), None)
             notes.append(f"{run.label}: {note or 'no telemetry recorded'}")
             continue
-        t0 = samples[0]["time"]
         if ax2 is None:
             ax2 = ax.twinx()
-        for g in samples[0]["gpus"]:
-            idx = g["index"]
-            pts = [(s["time"] - t0) / 60 for s in samples]
-            per = [next((x for x in s["gpus"] if x["index"] == idx), {}) for s in samples]
-            ax.plot(pts, [p.get("power_w") for p in per], color=f"C{i % 10}", alpha=0.8,
-                    label=f"{run.label} gpu{idx} power")  # fmt: skip
-            ax2.plot(pts, [p.get("util_pct") for p in per], color=f"C{i % 10}", linestyle=":", alpha=0.8,
-                     label=f"{run.label} gpu{idx} util")  # fmt: skip
-            starved = [(t, p.get("power_w")) for t, p in zip(pts, per, strict=True) if p.get("starved")]
-            if starved:
-                ax.plot(*zip(*starved, strict=True), "rx", markersize=7,
-                        label="starved (util >= 90 %, power < 50 % of limit)" if i == 0 and idx == 0 else None)  # fmt: skip
+        _plot_gpu_samples(ax, ax2, i, run, samples)
         drawn = True
     if drawn:
         ax.set_xlabel("minutes since the first sample")
@@ -324,6 +316,29 @@ def render_figure(runs: list[Run]):
     if notes:
         _empty(ax, "\n".join(notes)) if not drawn else ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes,
                                                               fontsize=7)  # fmt: skip
+
+
+def render_figure(runs: list[Run]):
+    """The report page (one panel per PANELS entry), its title and the lines skipped while reading the runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(16, 18), dpi=80, layout="constrained")
+    axes = fig.subplots(4, 2).flatten()
+    for ax, title in zip(axes, PANELS, strict=True):
+        ax.set_title(title, fontsize=11)
+        ax.grid(alpha=0.3)
+
+    _per_ttt(axes[0], runs, "loss_per_step", "loss_per_step", "loss (forward KL; dots: validation)")
+    _per_ttt(axes[1], runs, "full_acc", "full_acc", "top-1 accuracy, all positions (dots: validation)")
+    _per_ttt(axes[2], runs, "cond_acc", "cond_acc", "top-1 accuracy given earlier steps right")
+    _acceptance_panel(axes[3], runs)
+    _throughput_panel(axes[4], runs)
+    _time_split_panel(axes[5], runs)
+    _memory_panel(axes[6], runs)
+    _gpu_panel(axes[7], runs)
 
     title = "EAGLE-3 training report\n" + "\n".join(run_title(r) for r in runs)
     fig.suptitle(title, fontsize=12)

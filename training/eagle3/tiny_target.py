@@ -122,30 +122,22 @@ def _train_tokenizer(cfg: TinyTargetConfig, texts: list[str]):
     return fast
 
 
-def build(out_dir: str | os.PathLike, cfg: TinyTargetConfig = TinyTargetConfig(), log=print) -> dict:
-    """Train the tokenizer and the model and save both into `out_dir` (written to a temporary folder beside it,
-    renamed into place when complete). Returns the build's record (also in OUT_DIR/eagle3_tiny_target.json)."""
+def _token_ids(tokenizer, texts: list[str]):
+    """The texts as one long[N] stream of token ids, each text followed by EOS."""
+    import torch
+
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _new_model(cfg: TinyTargetConfig, tokenizer):
+    """A randomly initialised Llama of `cfg`'s shape over the tokenizer's vocabulary (seeded by cfg.seed)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg.validate()
-    out = Path(out_dir)
-    started = time.monotonic()
-    files = corpus_files(cfg.corpus_bytes)
-    texts = [p.read_text(errors="replace") for p in files]
-    # Held out: every tenth file, so the loss reported is on code the model never saw.
-    train_texts = [t for i, t in enumerate(texts) if i % 10 != 9]
-    held_texts = [t for i, t in enumerate(texts) if i % 10 == 9]
-    tokenizer = _train_tokenizer(cfg, train_texts)
-
-    def ids_of(parts: list[str]) -> torch.Tensor:
-        eos = tokenizer.eos_token_id
-        ids: list[int] = []
-        for text in parts:
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
-        return torch.tensor(ids, dtype=torch.long)
-
-    train_ids, held_ids = ids_of(train_texts), ids_of(held_texts)
     torch.manual_seed(cfg.seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -162,7 +154,14 @@ def build(out_dir: str | os.PathLike, cfg: TinyTargetConfig = TinyTargetConfig()
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def _train(model, cfg: TinyTargetConfig, train_ids, log) -> None:
+    """cfg.steps AdamW steps on random windows of the training tokens: linear warmup over the first 5 %, then a
+    cosine decay to a tenth of cfg.lr; the loss logged every 50 steps."""
+    import torch
+
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
     warmup = max(1, cfg.steps // 20)
@@ -185,6 +184,39 @@ def build(out_dir: str | os.PathLike, cfg: TinyTargetConfig = TinyTargetConfig()
         if step % 50 == 0 or step == cfg.steps - 1:
             log(f"tiny-target: step {step + 1}/{cfg.steps} loss {loss.item():.3f}", flush=True)
     model.eval()
+
+
+def _save(out: Path, model, tokenizer, record: dict) -> None:
+    """Model, tokenizer and record written to a temporary folder beside `out`, then renamed into its place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / INFO_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def build(out_dir: str | os.PathLike, cfg: TinyTargetConfig = TinyTargetConfig(), log=print) -> dict:
+    """Train the tokenizer and the model and save both into `out_dir` (written to a temporary folder beside it,
+    renamed into place when complete). Returns the build's record (also in OUT_DIR/eagle3_tiny_target.json)."""
+    cfg.validate()
+    out = Path(out_dir)
+    started = time.monotonic()
+    files = corpus_files(cfg.corpus_bytes)
+    texts = [p.read_text(errors="replace") for p in files]
+    # Held out: every tenth file, so the loss reported is on code the model never saw.
+    train_texts = [t for i, t in enumerate(texts) if i % 10 != 9]
+    held_texts = [t for i, t in enumerate(texts) if i % 10 == 9]
+    tokenizer = _train_tokenizer(cfg, train_texts)
+    train_ids, held_ids = _token_ids(tokenizer, train_texts), _token_ids(tokenizer, held_texts)
+    model = _new_model(cfg, tokenizer)
+    _train(model, cfg, train_ids, log)
     held_loss = held_out_loss(model, held_ids, cfg.seq_len)
     record = {
         "settings": asdict(cfg),
@@ -199,18 +231,7 @@ def build(out_dir: str | os.PathLike, cfg: TinyTargetConfig = TinyTargetConfig()
         "held_out_perplexity": round(math.exp(held_loss), 2),
         "build_seconds": round(time.monotonic() - started, 1),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / INFO_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _save(out, model, tokenizer, record)
     log(
         f"tiny-target: held-out loss {held_loss:.3f} nats/token (perplexity {math.exp(held_loss):.1f}) on "
         f"{held_ids.numel()} tokens, built in {record['build_seconds']} s -> {out}",

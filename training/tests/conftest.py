@@ -12,7 +12,8 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.model import Eagle3Drafter
+from eagle3.spec import DrafterConfig
 
 
 def _tiny_config(**overrides) -> DrafterConfig:

@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
-from eagle3.data import DatasetReader, build_vocab_mapping, import_speculators, read_index
+from eagle3.data import DatasetReader, build_vocab_mapping, read_index
 from eagle3.errors import DataError
+from eagle3.importer import import_speculators
 from eagle3.synth import RandomTarget, SynthConfig, rms_norm, synthesize
 from pipeline_support import synth_dataset
 from safetensors.torch import save_file

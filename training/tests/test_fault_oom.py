@@ -6,7 +6,7 @@ tests/test_torchrun.py::test_out_of_memory_on_one_rank_is_recorded_and_ends_the_
 
 import pytest
 import torch
-from eagle3.train import FAULT_OOM_ENV, inject_oom, is_oom
+from eagle3.process import FAULT_OOM_ENV, inject_oom, is_oom
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from eagle3 import plan as P
 from eagle3.flops import attention_pairs, step_flops
 
 # hidden 8, 2 heads x 4, MLP 16, draft vocab 10 of a target vocab of 20
-TINY = P.Shape(8, 2, 4, 16, 10, 20)
+TINY = P.DrafterConfig(8, 2, 4, 16, 10, 20)
 
 
 def test_docstring_examples_hold():

@@ -16,8 +16,8 @@ from eagle3.config import TrainConfig
 from eagle3.data import DatasetReader, read_index
 from eagle3.errors import ConfigError, DataError
 from eagle3.generate import FAULT_KILL_ENV, generate, read_records, tokenize
+from eagle3.spec import drafter_config
 from eagle3.tiny_target import cached
-from eagle3.train import drafter_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TRAINING = Path(__file__).resolve().parents[1]

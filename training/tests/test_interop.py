@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 from eagle3.export import export_speculators, init_from_export, load_exported
-from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_logits
-from eagle3.train import verifier_settings
+from eagle3.model import Eagle3Drafter, ttt_logits
+from eagle3.spec import DrafterConfig, verifier_settings
 from speculators.config import SpeculatorsConfig, VerifierConfig
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig

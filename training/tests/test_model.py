@@ -8,7 +8,8 @@ import eagle3.model as model_module
 import pytest
 import torch
 from eagle3.errors import ConfigError, DataError
-from eagle3.model import DrafterConfig, Eagle3Drafter, ttt_forward
+from eagle3.model import Eagle3Drafter, ttt_forward
+from eagle3.spec import DrafterConfig
 
 SPECULATORS_NAMES = {
     "embed_tokens.weight",
@@ -310,10 +311,9 @@ def test_activation_checkpointing_values_are_validated_before_anything_runs():
         "full",
     ]
     for value in ("full", "selective", True, False):
-        assert (
-            resolve_options(TrainConfig(activation_checkpointing=value), "cpu").activation_checkpointing
-            == value
-        )
+        assert resolve_options(
+            TrainConfig(activation_checkpointing=value), "cpu"
+        ).activation_checkpointing == checkpoint_mode(value)
     with pytest.raises(
         ConfigError, match=r"activation_checkpointing='sometimes' is not one of false, selective, full"
     ):

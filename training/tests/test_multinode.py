@@ -69,8 +69,8 @@ def test_planner_hsdp_holds_larger_shards_per_gpu(capsys):
     assert hsdp["shard_layout"] == "hsdp" and hsdp["shard_ranks"] == 4 and hsdp["nproc_per_node"] == 4
     # every GPU holds 1/4 instead of 1/8 of the fp32 weights, gradients, AdamW state and frozen weights
     shape = P.SHAPES["kimi-k2.5"]
-    by_node = P.static_terms(shape, P.Options(fsdp=True, shard_ranks=4), 8)
-    by_all = P.static_terms(shape, P.Options(fsdp=True), 8)
+    by_node = P.static_terms(P.on_cuda(shape, world_size=8, nodes=2, fsdp=True, shard_layout="hsdp"))
+    by_all = P.static_terms(P.on_cuda(shape, world_size=8, fsdp=True))
     for term in ("weights_fp32_shard", "grads_fp32_shard", "optimizer_state_shard", "frozen_weights_shard"):
         assert by_node[term] == pytest.approx(2 * by_all[term], abs=1)
     extra = sum(by_node.values()) - sum(by_all.values())

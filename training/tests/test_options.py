@@ -9,15 +9,16 @@ import json
 import pytest
 import torch
 import yaml
+from eagle3 import loop as loop_module
 from eagle3 import options
 from eagle3 import plan as P
-from eagle3 import train as train_module
 from eagle3.config import TrainConfig, load_config
 from eagle3.distributed import DistInfo
 from eagle3.errors import ConfigError
+from eagle3.loop import Trainer
 from eagle3.metrics import RunFiles
 from eagle3.model import ttt_forward
-from eagle3.train import StopRequested, Trainer
+from eagle3.process import StopRequested
 
 # The options both sides report, by the planner's JSON names.
 COMPARED = (
@@ -72,7 +73,7 @@ def trainer_view(config_path, monkeypatch, world_size: int = 1) -> dict:
         seen.append({**kwargs, "autocast": torch.is_autocast_enabled("cpu")})
         return ttt_forward(module, batch, **kwargs)
 
-    monkeypatch.setattr(train_module, "ttt_forward", spy)
+    monkeypatch.setattr(loop_module, "ttt_forward", spy)
     assert trainer.validate(step=0) is not None
     forward = seen[0]
     view |= {
@@ -119,15 +120,16 @@ def test_neither_side_resolves_on_its_own(tmp_path, data, capsys, monkeypatch):
         calls.append(world_size)
         resolved = real(cfg, device, world_size, nodes)
         return dataclasses.replace(
-            resolved, loss_chunk_size=384, activation_checkpointing=not resolved.activation_checkpointing
-        )
+            resolved, loss_chunk_size=384,
+            activation_checkpointing="full" if resolved.activation_checkpointing == "none" else "none",
+        )  # fmt: skip
 
     monkeypatch.setattr(options, "resolve_options", odd)
     config = write_config(tmp_path, data, loss_chunk_size=4096)
     trainer, planner = trainer_view(config, monkeypatch), planner_view(config, capsys)
     assert len(calls) == 2, "the trainer and the planner each resolve once, through eagle3.options"
     for view in (trainer, planner):
-        assert view["loss_chunk_size"] == 384 and view["activation_checkpointing"] is True
+        assert view["loss_chunk_size"] == 384 and view["activation_checkpointing"] == "full"
 
 
 @pytest.mark.parametrize(

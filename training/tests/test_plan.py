@@ -1,5 +1,5 @@
 """The memory planner: predictions against bytes the real training step allocates on CPU, the Kimi-shaped
-prediction of issue 7, the choice of a length, bad input, the CLI the Ansible role parses, and the probe's fit
+prediction for the story's 8 GPUs, the choice of a length, bad input, the CLI the Ansible role parses, and the probe's fit
 and cache (with injected measurements: the real probe needs CUDA)."""
 
 from __future__ import annotations
@@ -23,25 +23,30 @@ TOLERANCE = 0.15
 
 # Three small shapes with distinct H, heads, head_dim, MLP and vocab so a wrong coefficient on any one shows.
 SHAPES = {
-    "h64": P.Shape(64, 4, 16, 192, 512, 1024),
-    "h128": P.Shape(128, 4, 32, 320, 1024, 2048),
-    "h96": P.Shape(96, 6, 16, 256, 768, 1536),
+    "h64": P.DrafterConfig(64, 4, 16, 192, 512, 1024),
+    "h128": P.DrafterConfig(128, 4, 32, 320, 1024, 2048),
+    "h96": P.DrafterConfig(96, 6, 16, 256, 768, 1536),
     # grouped-query attention: 8 query heads over 2 key/value heads (K/V activations and k/v_proj 4x smaller)
-    "h128-gqa": P.Shape(128, 8, 16, 320, 1024, 2048, num_kv_heads=2),
+    "h128-gqa": P.DrafterConfig(128, 8, 16, 320, 1024, 2048, num_kv_heads=2),
     # EAGLE 3.1 norms: one RMSNorm per aux state before fc, later steps read the post-norm hidden state
-    "h96-eagle31": P.Shape(96, 6, 16, 256, 768, 1536, fc_norm=True, norm_output=True),
+    "h96-eagle31": P.DrafterConfig(96, 6, 16, 256, 768, 1536, fc_norm=True, norm_output=True),
     # the Kimi drafter scaled by 1/8: weight-sized gradients and copies weigh as much as activations here
     "kimi-eighth": P.SHAPES["kimi-k2.5-eighth"],
 }
-CPU_FP32 = P.Options(
-    autocast=False, frozen_bf16=False, attention="exact", device="cpu", reserve_gib=0, loss_chunk_size=256
-)
-# the CUDA recipe (bf16 autocast, frozen weights in bf16) run on CPU: same casts and saved tensors
-CPU_BF16 = dataclasses.replace(CPU_FP32, autocast=True, frozen_bf16=True)
 
 
-def measure(shape: P.Shape, seq_len: int, ttt_steps: int, opts: P.Options):
-    return measure_planned_step(shape, seq_len, ttt_steps, opts)
+def cpu_spec(shape, dtype: str = "fp32", ckpt=False, ttt_steps: int = 3) -> P.RunSpec:
+    """The trainer's CPU recipe (exact attention, loss chunks of 256), nothing reserved. bf16: the CUDA recipe
+    (bf16 autocast, frozen weights in bf16) run on CPU: the same casts and saved tensors."""
+    spec = P.spec_for(shape, device="cpu", dtype=dtype, attention="exact", loss_chunk_size=256,
+                      activation_checkpointing=ckpt, ttt_steps=ttt_steps)  # fmt: skip
+    spec = dataclasses.replace(spec, reserve_gib=0.0, allocator_factor=1.0)
+    return spec.with_run(frozen_bf16=True) if dtype == "bf16" else spec
+
+
+def cuda(shape, world_size: int = 1, **keys) -> P.RunSpec:
+    """The trainer's CUDA recipe (bf16 autocast, flex attention) under config keys."""
+    return P.on_cuda(shape, world_size=world_size, **keys)
 
 
 SMALL = ("h64", "h128", "h96")
@@ -63,11 +68,10 @@ CASES += [("kimi-eighth", 512, "bf16", "selective")]
 
 @pytest.mark.parametrize(("name", "seq_len", "dtype", "ckpt"), CASES)
 def test_prediction_is_within_15_percent_of_measured_bytes(name, seq_len, dtype, ckpt):
-    shape = SHAPES[name]
-    opts = dataclasses.replace(CPU_BF16 if dtype == "bf16" else CPU_FP32, activation_checkpointing=ckpt)
-    measured = measure(shape, seq_len, 3, opts)
-    held = P.activation_bytes(shape, seq_len, 3, opts)
-    peak = P.dynamic_bytes(shape, seq_len, 3, opts)
+    spec = cpu_spec(SHAPES[name], dtype, ckpt)
+    measured = measure_planned_step(spec, seq_len)
+    held = P.activation_bytes(spec, seq_len)
+    peak = P.dynamic_bytes(spec, seq_len)
     assert abs(held / measured.forward - 1) <= TOLERANCE, (
         f"held at forward end: predicted {held} vs measured {measured.forward} bytes"
     )
@@ -79,7 +83,7 @@ def test_prediction_is_within_15_percent_of_measured_bytes(name, seq_len, dtype,
 def test_parameter_counts_match_the_real_model():
     for shape in [*SHAPES.values(), P.SHAPES["kimi-k2.5"]]:
         with torch.device("meta"):
-            model = Eagle3Drafter(shape.drafter_config())
+            model = Eagle3Drafter(shape)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         assert shape.trainable_params() == trainable
@@ -90,26 +94,26 @@ def test_parameter_counts_match_the_real_model():
 
 def test_kimi_shape_at_32768_fits_96_gb_on_8_gpus_only_with_the_options():
     kimi = P.SHAPES["kimi-k2.5"]
-    on = P.Options(activation_checkpointing=True, fsdp=True)
-    off = P.Options()
-    assert P.predict_peak_bytes(kimi, 32768, 5, on, world_size=8) / P.GIB <= 90
+    on = cuda(kimi, 8, activation_checkpointing=True, fsdp=True)
+    off = cuda(kimi, 8)
+    assert P.predict_peak_bytes(on, 32768) / P.GIB <= 90
     # the story: without the options 32768 does not fit 96 GB
-    assert P.predict_peak_bytes(kimi, 32768, 5, off, world_size=8) / P.GIB > 96
+    assert P.predict_peak_bytes(off, 32768) / P.GIB > 96
     # checkpointing alone (DDP) already fits; FSDP takes the static state down further
-    ckpt = P.Options(activation_checkpointing=True)
-    assert P.predict_peak_bytes(kimi, 32768, 5, ckpt, world_size=8) < 90 * P.GIB
-    assert P.static_bytes(kimi, on, 8) < P.static_bytes(kimi, ckpt, 8) - 6 * P.GIB
+    ckpt = cuda(kimi, 8, activation_checkpointing=True)
+    assert P.predict_peak_bytes(ckpt, 32768) < 90 * P.GIB
+    assert P.static_bytes(on) < P.static_bytes(ckpt) - 6 * P.GIB
 
 
 def test_largest_fitting_length_fits_and_the_next_one_does_not():
     kimi = P.SHAPES["kimi-k2.5"]
-    opts = P.Options(activation_checkpointing=True)
-    plan = P.make_plan(kimi, opts, ttt_steps=5, world_size=8, memory_gb=96, margin=0.1)
+    spec = cuda(kimi, 8, activation_checkpointing=True)
+    plan = P.make_plan(spec, memory_gb=96, margin=0.1)
     budget = P.budget_bytes(96, 0.1)
     chosen = plan.max_seq_len
     assert chosen % 128 == 0
-    assert P.predict_peak_bytes(kimi, chosen, 5, opts, 8) <= budget
-    assert P.predict_peak_bytes(kimi, chosen + 128, 5, opts, 8) > budget
+    assert P.predict_peak_bytes(spec, chosen) <= budget
+    assert P.predict_peak_bytes(spec, chosen + 128) > budget
     assert [row["fits"] for row in plan.table] == [
         row["predicted_gb"] * P.GIB <= budget for row in plan.table
     ]
@@ -117,47 +121,43 @@ def test_largest_fitting_length_fits_and_the_next_one_does_not():
 
 def test_predictions_grow_with_length_steps_and_shrink_with_options():
     kimi = P.SHAPES["kimi-k2.5"]
-    base = P.Options()
+    base = cuda(kimi, 8)
     lengths = [128 * n for n in (1, 8, 64, 128, 256)]
-    peaks = [P.predict_peak_bytes(kimi, s, 5, base, 8) for s in lengths]
+    peaks = [P.predict_peak_bytes(base, s) for s in lengths]
     assert peaks == sorted(peaks)
-    assert P.predict_peak_bytes(kimi, 16384, 3, base, 8) < P.predict_peak_bytes(kimi, 16384, 7, base, 8)
-    assert P.predict_peak_bytes(
-        kimi, 16384, 5, dataclasses.replace(base, activation_checkpointing=True), 8
-    ) < (P.predict_peak_bytes(kimi, 16384, 5, base, 8))
+    assert P.predict_peak_bytes(base.with_run(ttt_steps=3), 16384) < P.predict_peak_bytes(
+        base.with_run(ttt_steps=7), 16384
+    )
+    assert P.predict_peak_bytes(base.with_run(activation_checkpointing="full"), 16384) < (
+        P.predict_peak_bytes(base, 16384)
+    )
 
 
 def test_budget_below_the_static_footprint_names_the_static_figure():
     with pytest.raises(P.ConfigError, match=r"below the static footprint (\d+\.\d) GiB") as err:
-        P.make_plan(P.SHAPES["kimi-k2.5"], P.Options(), ttt_steps=5, world_size=8, memory_gb=16, margin=0.1)
+        P.make_plan(cuda(P.SHAPES["kimi-k2.5"], 8), memory_gb=16, margin=0.1)
     static = float(err.value.args[0].split("static footprint ")[1].split(" GiB")[0])
-    expected = (P.static_bytes(P.SHAPES["kimi-k2.5"], P.Options(), 8) + P.GIB) / P.GIB
+    expected = (P.static_bytes(cuda(P.SHAPES["kimi-k2.5"], 8)) + P.GIB) / P.GIB
     assert static == pytest.approx(expected, abs=0.05)
 
 
 def test_nothing_fits_says_so_with_the_smallest_length():
     kimi = P.SHAPES["kimi-k2.5"]
-    static = (P.static_bytes(kimi, P.Options(), 8) + P.GIB) / P.GIB
+    static = (P.static_bytes(cuda(kimi, 8)) + P.GIB) / P.GIB
     with pytest.raises(P.ConfigError, match="no max_seq_len fits: even 128 tokens need"):
         # a budget just above the static bytes: the 3.6 GB autocast weight copies alone do not fit
-        P.make_plan(kimi, P.Options(), ttt_steps=5, world_size=8, memory_gb=static + 0.5, margin=0.0)
+        P.make_plan(cuda(kimi, 8), memory_gb=static + 0.5, margin=0.0)
 
 
-@pytest.mark.parametrize(
-    ("opts", "world", "words"),
-    [
-        (
-            P.Options(attention="flex", device="cpu", reserve_gib=0),
-            1,
-            "attention=flex does not combine with device=cpu",
-        ),
-        (P.Options(fsdp=True), 1, "fsdp does not combine with world_size=1"),
-        (P.Options(autocast=False, frozen_bf16=True), 8, "do not combine with dtype fp32"),
-    ],
-)
-def test_options_that_do_not_combine_are_named(opts, world, words):
-    with pytest.raises(P.ConfigError, match=words):
-        P.make_plan(P.SHAPES["tiny"], opts, ttt_steps=5, world_size=world, memory_gb=96, margin=0.1)
+def test_the_planner_refuses_and_accepts_what_the_trainer_does():
+    """The planner sizes the spec the trainer resolves: flex attention on a CPU is refused with the trainer's own
+    message, and fsdp on one rank plans an unsharded run (the trainer's note), as the trainer runs it."""
+    with pytest.raises(P.ConfigError, match=r"attention='flex' needs CUDA"):
+        P.spec_for(P.SHAPES["tiny"], device="cpu", attention="flex")
+    one_rank = P.make_plan(cuda(P.SHAPES["tiny"], 1, fsdp=True), memory_gb=96, margin=0.1)
+    assert one_rank.shard_layout == "unsharded" and one_rank.shard_ranks == 1
+    assert "fsdp: true with a single process shards nothing" in one_rank.spec.run.notes[0]
+    assert P.static_bytes(one_rank.spec) == P.static_bytes(cuda(P.SHAPES["tiny"], 1))
 
 
 def test_cli_json_is_what_the_ansible_role_parses(capsys):
@@ -195,7 +195,7 @@ def test_cli_reads_the_trainer_config_and_its_dataset(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["shape"]["hidden_size"] == 64 and out["ttt_steps"] == 3
     assert out["options"]["attention"] == "exact" and out["options"]["autocast"] is False
-    assert out["options"]["activation_checkpointing"] is True
+    assert out["options"]["activation_checkpointing"] == "full"
     assert out["max_seq_len"] % 128 == 0 and out["predicted_gb"] <= 1.8
 
 
@@ -219,29 +219,29 @@ def fake_gpu(a: int, b: int):
 
 def test_probe_fits_a_line_chooses_and_caches(tmp_path):
     kimi = P.SHAPES["kimi-k2.5"]
-    opts = P.Options(activation_checkpointing=True)
+    spec = cuda(kimi, 8, activation_checkpointing=True)
     measure, calls = fake_gpu(a=2 * P.GIB, b=1_000_000)
     kwargs = dict(
-        ttt_steps=5, world_size=8, memory_gb=96, margin=0.1, lengths=(4096, 8192), gpu_name="Fake GPU 96GB",
-        torch_version="2.13.0", cache_dir=tmp_path,
+        memory_gb=96, margin=0.1, lengths=(4096, 8192), gpu_name="Fake GPU 96GB", torch_version="2.13.0",
+        cache_dir=tmp_path,
     )  # fmt: skip
-    first = P.probe(kimi, opts, measure=measure, **kwargs)
+    first = P.probe(spec, measure=measure, **kwargs)
     assert calls == [4096, 8192]
     assert first["fit_bytes"]["a"] == pytest.approx(2 * P.GIB) and first["fit_bytes"][
         "b_per_token"
     ] == pytest.approx(1e6)
     budget = P.budget_bytes(96, 0.1)
-    fixed = P.static_bytes(kimi, opts, 8) + P.GIB + 2 * P.GIB
+    fixed = P.static_bytes(spec) + P.GIB + 2 * P.GIB
 
     def predicted(s):
-        return fixed + P.batch_bytes(kimi, s, opts) + 1_000_000 * s
+        return fixed + P.batch_bytes(spec, s) + 1_000_000 * s
 
     chosen = first["max_seq_len"]
     assert predicted(chosen) <= budget < predicted(chosen + 128)
-    second = P.probe(kimi, opts, measure=measure, **kwargs)
+    second = P.probe(spec, measure=measure, **kwargs)
     assert calls == [4096, 8192], "the second probe must come from the cache"
     assert second["from_cache"] and second["max_seq_len"] == chosen
-    other = P.probe(kimi, opts, measure=measure, **{**kwargs, "gpu_name": "Other GPU"})
+    other = P.probe(spec, measure=measure, **{**kwargs, "gpu_name": "Other GPU"})
     assert not other["from_cache"] and calls == [4096, 8192, 4096, 8192]
 
 
@@ -249,15 +249,7 @@ def test_probe_without_cuda_is_skipped_cleanly(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; bench/gpu_check.sh runs the real probe")
     with pytest.raises(P.ProbeUnavailable, match="no CUDA device"):
-        P.probe(
-            P.SHAPES["tiny"],
-            P.Options(),
-            ttt_steps=5,
-            world_size=1,
-            memory_gb=8,
-            margin=0.1,
-            cache_dir=tmp_path,
-        )
+        P.probe(cuda(P.SHAPES["tiny"]), memory_gb=8, margin=0.1, cache_dir=tmp_path)
     assert not list(tmp_path.iterdir()), "nothing cached when nothing was measured"
 
 
@@ -334,13 +326,13 @@ def test_grouped_query_attention_shrinks_kv_activations_and_weights_by_heads_ove
     gqa = SHAPES["h128-gqa"]
     mha = dataclasses.replace(gqa, num_kv_heads=None)
     assert gqa.kv_dim * 4 == mha.kv_dim == gqa.attention_dim
-    saved = P.gqa_savings(gqa, 3, CPU_BF16)
+    saved = P.gqa_savings(cpu_spec(gqa, "bf16"))
     # exact attention keeps k and v of each of the 3 steps: 2 * 3 * (128 - 32) * 2 bytes per token
     assert saved["activation_bytes_per_token"] == 2 * 3 * (128 - 32) * 2
     assert saved["weights"] == 2 * (2 * 128) * (128 - 32)  # k_proj and v_proj, 2H -> kv_dim
-    assert P.gqa_savings(mha, 3, CPU_BF16) == {"activation_bytes_per_token": 0, "weights": 0}
+    assert P.gqa_savings(cpu_spec(mha, "bf16")) == {"activation_bytes_per_token": 0, "weights": 0}
     for s in (384, 768):
-        diff = P.activation_bytes(mha, s, 3, CPU_BF16) - P.activation_bytes(gqa, s, 3, CPU_BF16)
+        diff = P.activation_bytes(cpu_spec(mha, "bf16"), s) - P.activation_bytes(cpu_spec(gqa, "bf16"), s)
         assert (
             diff == s * saved["activation_bytes_per_token"] + 2 * saved["weights"]
         )  # + autocast weight copies
@@ -349,17 +341,17 @@ def test_grouped_query_attention_shrinks_kv_activations_and_weights_by_heads_ove
 def test_memory_options_choice_takes_the_fastest_that_fits():
     """No checkpointing while it fits, then selective, then full; the loss chunking each needs."""
     kimi = P.SHAPES["kimi-k2.5"]
-    opts = P.Options(fsdp=True)
+    spec = cuda(kimi, 8, fsdp=True)
     budget = P.budget_bytes(141, 0.1)
-    choices = [P.memory_options_choice(kimi, s, 5, opts, 8, budget) for s in (8192, 65536, 131072, 10**6)]
-    assert [c and c[0] for c in choices] == [False, "selective", "full", None]
+    choices = [P.memory_options_choice(spec, s, budget) for s in (8192, 65536, 131072, 10**6)]
+    assert [c and c[0] for c in choices] == ["none", "selective", "full", None]
     for s, choice in zip((8192, 65536, 131072), choices, strict=False):
         mode, chunk = choice
-        fits = dataclasses.replace(opts, activation_checkpointing=mode, loss_chunk_size=chunk)
-        assert P.predict_peak_bytes(kimi, s, 5, fits, 8) <= budget
-    lean = dataclasses.replace(opts, activation_checkpointing="selective")
-    assert P.activation_bytes(kimi, 32768, 5, lean) > P.activation_bytes(
-        kimi, 32768, 5, dataclasses.replace(opts, activation_checkpointing="full")
+        fits = spec.with_run(activation_checkpointing=mode, loss_chunk_size=chunk)
+        assert P.predict_peak_bytes(fits, s) <= budget
+    lean = spec.with_run(activation_checkpointing="selective")
+    assert P.activation_bytes(lean, 32768) > P.activation_bytes(
+        spec.with_run(activation_checkpointing="full"), 32768
     )
 
 
@@ -367,16 +359,14 @@ def test_the_plan_table_says_why_it_advises_a_loss_chunk():
     """On CPU at a long row the chunk is advised for speed (cpu_heap_chunk), on CUDA only when memory needs it."""
     from eagle3.plan.cli import format_table
 
-    tiny = P.Shape(64, 4, 16, 192, 512, 1024)
-    cpu = P.Options(device="cpu", autocast=False, frozen_bf16=False, attention="exact", allocator_factor=1.5)
-    plan = P.make_plan(tiny, cpu, ttt_steps=5, world_size=1, memory_gb=64, margin=0.1, lengths=(16384,))
+    tiny = P.DrafterConfig(64, 4, 16, 192, 512, 1024)
+    cpu = dataclasses.replace(P.spec_for(tiny, device="cpu"), reserve_gib=1.0)
+    plan = P.make_plan(cpu, memory_gb=64, margin=0.1, lengths=(16384,))
     assert plan.max_seq_len >= 16384 and plan.loss_chunk_size == 4096
     assert "loss_chunk_size=4096 fits at that length (on CPU faster than one pass" in format_table(plan)
-    cuda = P.make_plan(
-        tiny, P.Options(), ttt_steps=5, world_size=1, memory_gb=64, margin=0.1, lengths=(16384,)
-    )
-    assert "loss_chunk_size=0 fits at that length (one pass, the fastest)" in format_table(cuda)
+    on_gpu = P.make_plan(cuda(tiny), memory_gb=64, margin=0.1, lengths=(16384,))
+    assert "loss_chunk_size=0 fits at that length (one pass, the fastest)" in format_table(on_gpu)
     kimi = P.SHAPES["kimi-k2.5"]
-    tight = P.make_plan(kimi, P.Options(activation_checkpointing=True, fsdp=True), ttt_steps=5, world_size=8,
-                        memory_gb=141, margin=0.1, lengths=(145280,))  # fmt: skip
+    tight = P.make_plan(cuda(kimi, 8, activation_checkpointing=True, fsdp=True), memory_gb=141, margin=0.1,
+                        lengths=(145280,))  # fmt: skip
     assert "loss_chunk_size=4096 fits at that length (memory needs the chunked loss)" in format_table(tight)

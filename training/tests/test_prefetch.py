@@ -8,8 +8,8 @@ import pytest
 import torch
 from eagle3.data import SAMPLE_KEYS, DatasetReader, DatasetWriter, sample_key
 from eagle3.errors import DataError
+from eagle3.feed import RowPrefetcher
 from eagle3.packing import build_row
-from eagle3.train import RowPrefetcher
 from pipeline_support import synth_dataset
 from safetensors import safe_open
 
@@ -208,7 +208,7 @@ def test_the_trainer_queues_the_next_depth_steps_across_epochs_and_stops_at_the_
     from types import SimpleNamespace
 
     from eagle3.checkpoint import TrainerState
-    from eagle3.train import Trainer
+    from eagle3.loop import Trainer
 
     plans = {0: [None] * 3, 1: [None] * 2, 2: [None] * 3}  # epochs of 3, 2 and 3 steps: 8 steps in all
     trainer = SimpleNamespace(total_steps=8, plan=lambda epoch: plans[epoch])

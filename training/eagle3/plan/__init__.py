@@ -62,6 +62,7 @@ from eagle3.plan.model import (
     transient_bytes,
     transient_terms,
 )
+from eagle3.spec import SHAPES, DrafterConfig, RunSpec, spec_for
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -69,9 +70,12 @@ __all__ = [
     "GIB",
     "MAX_SEARCH_LEN",
     "SEQ_BLOCK",
+    "SHAPES",
     "ConfigError",
+    "DrafterConfig",
     "Plan",
     "ProbeUnavailable",
+    "RunSpec",
     "activation_bytes",
     "activation_terms",
     "batch_bytes",
@@ -102,6 +106,7 @@ __all__ = [
     "probe",
     "probe_cache_path",
     "reduce_phase_bytes",
+    "spec_for",
     "spec_from_args",
     "static_bytes",
     "static_terms",
