@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         if any(arg in HELP_FLAGS for arg in rest):
-            from eagle3.config import render_help
+            from eagle3.config_help import render_help
 
             print(render_help())
             return EXIT_OK

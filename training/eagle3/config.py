@@ -5,8 +5,8 @@ overridden as `--max-seq-len 16384` or `--max_seq_len=16384`. Validation happens
 read or any GPU memory is taken, and every message names the key, the value seen and what to do.
 
 Each key is declared once, below, with its type, default, allowed values or bound and one line of meaning.
-Coercion, validation, `eagle3 train --help`, the planner's shared options and the key table in
-training/README.md (`python -m eagle3.config --readme README.md` rewrites it) are all derived from it.
+Coercion, validation, the planner's shared options, and (in eagle3.config_help) `eagle3 train --help` and the key
+table in training/README.md are all derived from it.
 """
 
 from __future__ import annotations
@@ -327,12 +327,6 @@ def choices(key: str) -> tuple[str, ...]:
     return SPECS[key].choices
 
 
-def key_help(key: str) -> str:
-    """The one-line meaning of a key, with its default."""
-    spec = SPECS[key]
-    return f"{spec.help} (trainer default {format_default(spec.default)})"
-
-
 def format_default(value: object) -> str:
     """
     >>> format_default(""), format_default([]), format_default(False), format_default(1e-4)
@@ -354,6 +348,82 @@ def _unknown_key(key: str, origin: str = "") -> ConfigError:
         f"unknown config key {key!r}{origin}; known keys: {', '.join(sorted(SPECS))} "
         "(`eagle3 train --help` describes each)"
     )
+
+
+def _to_mode(value):
+    """activation_checkpointing: false / true as they are, or a mode's name (ConfigError naming the allowed)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        mode = checkpoint_mode(value)
+        return {"none": False}.get(mode, True if value.strip().lower() in ("true", "on", "yes") else mode)
+    raise TypeError
+
+
+def _to_bool(value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("on", "off", "y", "n"):
+        return value.lower() in ("on", "y")
+    raise TypeError
+
+
+def _to_int(value):
+    if isinstance(value, bool):
+        raise TypeError
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, int):
+        raise TypeError
+    return value
+
+
+def _to_float(value):
+    if isinstance(value, str):
+        value = float(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError
+    return float(value)
+
+
+def _to_str(value):
+    if value is None:
+        return ""
+    if not isinstance(value, str | int | float):
+        raise TypeError
+    return str(value)
+
+
+def _to_dict(value):
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError
+    return dict(value)
+
+
+def _to_list(value):
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError
+    return list(value)
+
+
+# A key's declared type -> its conversion from what YAML or the command line gave (TypeError: not that type).
+_CONVERT = {
+    bool | str: _to_mode,
+    bool: _to_bool,
+    int: _to_int,
+    float: _to_float,
+    str: _to_str,
+    dict: _to_dict,
+    list[str]: _to_list,
+}
 
 
 def coerce_value(key: str, value: object) -> object:
@@ -386,57 +456,7 @@ def coerce_value(key: str, value: object) -> object:
             except yaml.YAMLError:
                 pass
     try:
-        if kind == bool | str:  # activation_checkpointing: false / true, or a mode's name
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str):
-                mode = checkpoint_mode(value)  # ConfigError naming the key and the allowed values
-                return {"none": False}.get(
-                    mode, True if value.strip().lower() in ("true", "on", "yes") else mode
-                )
-            raise TypeError
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, int) and value in (0, 1):
-                return bool(value)
-            if isinstance(value, str) and value.lower() in ("on", "off", "y", "n"):
-                return value.lower() in ("on", "y")
-            raise TypeError
-        if kind is int:
-            if isinstance(value, bool):
-                raise TypeError
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            if not isinstance(value, int):
-                raise TypeError
-            return value
-        if kind is float:
-            if isinstance(value, str):
-                value = float(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError
-            return float(value)
-        if kind is str:
-            if value is None:
-                return ""
-            if not isinstance(value, str | int | float):
-                raise TypeError
-            return str(value)
-        if kind is dict:
-            if value is None:
-                return {}
-            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-                raise TypeError
-            return dict(value)
-        if kind == list[str]:
-            if value is None:
-                return []
-            if isinstance(value, str):
-                return [value]
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise TypeError
-            return list(value)
+        return _CONVERT[kind](value)
     except (TypeError, ValueError):
         pass
     type_name = {
@@ -534,91 +554,8 @@ def validate(cfg: TrainConfig) -> None:
         normalize_rope_scaling(cfg.rope_scaling, "rope_scaling")
 
 
-# ------------------------------------------------------------------------------------- help and README
-TRAIN_USAGE = """\
-usage: python -m eagle3 train --config FILE [--KEY VALUE ...]
-
-Train a drafter, or resume it from the newest complete checkpoint in run_dir.
-Every config key below can be set in the --config file (a flat YAML or JSON mapping) and on the command
-line, where it wins: --max-seq-len 16384, --max_seq_len=16384; a bool key alone (--fsdp) means true.
-Exit status: 0 done or stopped cleanly, 1 crash, 2 bad config or data, 3 out of memory.
-
-options:
-  -h, --help             show this help and exit
-  --config FILE          the config file (flat YAML or JSON)
-
-config keys (type, default, allowed values):"""
-
-
-def render_help() -> str:
-    """`eagle3 train --help`: every key with its type, default, allowed values or bound, and meaning."""
-    lines = [TRAIN_USAGE]
-    metavars = {"bool": "[BOOL]", "list": "A,B,..."}
-    heads = {name: f"{s.flag} {metavars.get(s.type_name, s.type_name.upper())}" for name, s in SPECS.items()}
-    width = max(map(len, heads.values())) + 2
-    for name, spec in SPECS.items():
-        facts = f"default {format_default(spec.default)}"
-        if spec.bound is REQUIRED:
-            facts = "required"
-        elif spec.allowed:
-            facts += f"; allowed: {spec.allowed}"
-        lines.append(f"  {heads[name]:<{width}}{facts}")
-        lines.append(f"      {spec.help}")
-    return "\n".join(lines)
-
-
-README_BEGIN = "<!-- config-keys:begin -->"
-README_END = "<!-- config-keys:end -->"
-
-
-def render_markdown() -> str:
-    """The key table of training/README.md (between its config-keys markers)."""
-    lines = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
-    for spec in SPECS.values():
-        allowed, meaning = (text.replace("|", "\\|") for text in (spec.allowed, spec.help))
-        lines.append(
-            f"| `{spec.name}` | {spec.type_name} | `{format_default(spec.default)}` | {allowed} | {meaning} |"
-        )
-    return "\n".join(lines)
-
-
-def readme_table(text: str) -> str:
-    """The text between the config-keys markers of a README (stripped)."""
-    try:
-        start = text.index(README_BEGIN) + len(README_BEGIN)
-        end = text.index(README_END, start)
-    except ValueError as e:
-        raise ConfigError(f"the README lacks the markers {README_BEGIN} ... {README_END}") from e
-    return text[start:end].strip()
-
-
-def update_readme(path: str | os.PathLike) -> bool:
-    """Rewrite the key table between the markers of the README at `path`; True when it changed."""
-    p = Path(path)
-    text = p.read_text()
-    old = readme_table(text)
-    new = render_markdown()
-    if old == new:
-        return False
-    start = text.index(README_BEGIN) + len(README_BEGIN)
-    end = text.index(README_END, start)
-    atomic_write_text(p, text[:start] + "\n" + new + "\n" + text[end:])
-    return True
-
-
 def dump_config(cfg: TrainConfig, run_dir: str | os.PathLike) -> Path:
     """Write the resolved config as `<run_dir>/config.yaml` (atomically) and return its path."""
     path = Path(run_dir) / "config.yaml"
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return path
-
-
-if __name__ == "__main__":
-    import sys
-
-    # python -m eagle3.config                      print the key table (Markdown)
-    # python -m eagle3.config --readme README.md   rewrite the table between the README's markers
-    if sys.argv[1:2] == ["--readme"] and len(sys.argv) == 3:
-        print("updated" if update_readme(sys.argv[2]) else "unchanged", sys.argv[2])
-    else:
-        print(render_markdown())

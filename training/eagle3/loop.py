@@ -209,41 +209,10 @@ class Trainer:
             init_from_export(model, cfg.init_from)
         self.model = model.to(device)
         run = self.run_options
-        autocast_dtype = torch.bfloat16 if run.autocast else None
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype = torch.bfloat16 if run.autocast else None
         if run.store_frozen_bf16:
             self.model.frozen_to(torch.bfloat16)  # frozen embedding and target heads in bf16: half the bytes
-        if run.sharded:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            # One FSDP2 group over the whole drafter (a single decoder layer, called once per TTT step):
-            # parameters, gradients and AdamW state are sharded; compute in bf16, gradients reduced in fp32.
-            if run.hsdp:  # HSDP: replicated across the nodes, sharded over the ranks of each node
-                mesh = init_device_mesh(
-                    device.type, (run.nodes, run.shard_ranks), mesh_dim_names=("replicate", "shard")
-                )
-                self.log(
-                    f"sharding: hsdp over {run.nodes} nodes x {run.shard_ranks} ranks (each node holds one "
-                    "sharded copy; gradients are reduced within a node, then averaged across nodes)"
-                )
-            else:
-                mesh = init_device_mesh(device.type, (self.info.world_size,))
-            policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
-            fully_shard(self.model, mesh=mesh, mp_policy=policy)
-            self.step_module = self.model
-        elif self.info.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            ids = [device.index] if device.type == "cuda" else None
-            # ttt_forward calls model(batch, ...), so DDP's forward hooks run and gradients are all-reduced.
-            # No buffer sync: the vocab maps and frozen target rows are identical on every rank, and the full
-            # target head rows (a buffer of (V_target - V_draft) x H) would otherwise be broadcast every step.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-                self.step_module = DDP(self.model, device_ids=ids, broadcast_buffers=False)
-        else:
-            self.step_module = self.model
+        self.step_module = self.wrap_model()
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         fused = {"fused": True} if device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(
@@ -268,13 +237,47 @@ class Trainer:
             f"model: hidden {idx.hidden_size}, {dc.num_heads} heads x {dc.head_dim}, mlp {dc.intermediate_size}, "
             f"draft vocab {idx.draft_vocab_size}/{idx.target_vocab_size}: {n_train / 1e6:.2f} M trainable, "
             f"{n_frozen / 1e6:.2f} M frozen | device {device} x {self.info.world_size}, "
-            f"autocast {autocast_dtype or 'off'}, attention {cfg.attention}"
+            f"autocast {self.autocast_dtype or 'off'}, attention {cfg.attention}"
         )
         self.log(
             f"data: {len(self.train_ids)} train / {len(self.val_ids)} val samples, {steps_per_epoch} steps/epoch at "
             f"max_seq_len {cfg.max_seq_len} (fill {plan.fill:.0%}, {plan.truncated} truncated), "
             f"total {self.total_steps} steps"
         )
+
+    def wrap_model(self) -> torch.nn.Module:
+        """What a step calls: the drafter sharded by FSDP2 (HSDP over nodes), inside DDP, or as it is (one rank)."""
+        run, device = self.run_options, self.info.device
+        if run.sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            # One FSDP2 group over the whole drafter (a single decoder layer, called once per TTT step):
+            # parameters, gradients and AdamW state are sharded; compute in bf16, gradients reduced in fp32.
+            if run.hsdp:  # HSDP: replicated across the nodes, sharded over the ranks of each node
+                mesh = init_device_mesh(
+                    device.type, (run.nodes, run.shard_ranks), mesh_dim_names=("replicate", "shard")
+                )
+                self.log(
+                    f"sharding: hsdp over {run.nodes} nodes x {run.shard_ranks} ranks (each node holds one "
+                    "sharded copy; gradients are reduced within a node, then averaged across nodes)"
+                )
+            else:
+                mesh = init_device_mesh(device.type, (self.info.world_size,))
+            policy = MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32)
+            fully_shard(self.model, mesh=mesh, mp_policy=policy)
+            return self.model
+        if self.info.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [device.index] if device.type == "cuda" else None
+            # ttt_forward calls model(batch, ...), so DDP's forward hooks run and gradients are all-reduced.
+            # No buffer sync: the vocab maps and frozen target rows are identical on every rank, and the full
+            # target head rows (a buffer of (V_target - V_draft) x H) would otherwise be broadcast every step.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+                return DDP(self.model, device_ids=ids, broadcast_buffers=False)
+        return self.model
 
     # ----------------------------------------------------------------------------------- pieces
     def fetch_row(

@@ -36,12 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from eagle3.attention import TTTAttention, validate_document_ids
+from eagle3.attention import TTTAttention
 from eagle3.errors import ConfigError, DataError
 from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
 from eagle3.options import TTT_STEPS, checkpoint_mode
 from eagle3.rope import rope_cos_sin
 from eagle3.spec import DrafterConfig
+from eagle3.supervision import check_batch, shift_tokens, step_supervision
 
 STAT_KEYS = (
     "loss_sum",
@@ -399,74 +400,6 @@ def _linear_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(weight.dtype), weight)
 
 
-def shift_tokens(input_ids: torch.Tensor, shift: int) -> torch.Tensor:
-    """input_ids moved left by `shift`, zero-filled at the end (the teacher-forced token of each slot).
-
-    >>> shift_tokens(torch.tensor([5, 6, 7, 8]), 2).tolist()
-    [7, 8, 0, 0]
-    """
-    out = torch.zeros_like(input_ids)
-    if shift < input_ids.shape[0]:
-        out[: input_ids.shape[0] - shift] = input_ids[shift:]
-    return out
-
-
-def step_supervision(document_ids: torch.Tensor, loss_mask: torch.Tensor, step: int):
-    """(valid, supervised) for slots 0..S-2-step at TTT step `step`; the target slot is j+1+step.
-
-    valid: the target slot is in the same (non-padding) document; supervised: valid and loss_mask there.
-
-    >>> doc = torch.tensor([0, 0, 0, 1, 1, -1]); mask = torch.tensor([1, 1, 1, 1, 1, 0]).bool()
-    >>> [v.int().tolist() for v in step_supervision(doc, mask, 0)]
-    [[1, 1, 0, 1, 0], [1, 1, 0, 1, 0]]
-    >>> [v.int().tolist() for v in step_supervision(doc, mask, 1)]
-    [[1, 0, 0, 0], [1, 0, 0, 0]]
-    """
-    n = max(document_ids.shape[0] - 1 - step, 0)
-    here, there = document_ids[:n], document_ids[1 + step : 1 + step + n]
-    valid = (here >= 0) & (here == there)
-    return valid, valid & loss_mask[1 + step : 1 + step + n].bool()
-
-
-def check_batch(cfg: DrafterConfig, batch: dict) -> int:
-    """Check names, shapes, dtypes and id ranges of one packed row; return S. DataError names what is wrong."""
-    needed = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "document_ids", "position_ids")
-    missing = [k for k in needed if k not in batch]
-    if missing:
-        raise DataError(f"batch lacks {missing}; a packed row needs {list(needed)}")
-    seq_len = batch["input_ids"].shape[0]
-    h = cfg.hidden_size
-    shapes = {
-        "input_ids": [seq_len],
-        "aux_hidden": [seq_len, 3 * h],
-        "last_hidden": [seq_len, h],
-        "loss_mask": [seq_len],
-        "document_ids": [seq_len],
-        "position_ids": [seq_len],
-    }
-    if "target_ids" in batch:
-        shapes["target_ids"] = [seq_len]
-    for key, shape in shapes.items():
-        if list(batch[key].shape) != shape:
-            raise DataError(
-                f"batch[{key!r}] has shape {list(batch[key].shape)}, expected {shape} "
-                f"(S={seq_len}, hidden_size={h}); the dataset's hidden size must match the drafter config"
-            )
-    for key in ("input_ids", "document_ids", "position_ids"):
-        if batch[key].is_floating_point():
-            raise DataError(
-                f"batch[{key!r}] has dtype {batch[key].dtype}, expected an integer dtype (torch.long)"
-            )
-    ids = batch["input_ids"]
-    if seq_len and (int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size):
-        raise DataError(
-            f"batch['input_ids'] holds ids in [{int(ids.min())}, {int(ids.max())}], "
-            f"outside the target vocab [0, {cfg.target_vocab_size}); the dataset was made for another target"
-        )
-    validate_document_ids(batch["document_ids"])
-    return seq_len
-
-
 def _ttt_loss(
     model: Eagle3Drafter, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention
 ):
@@ -522,6 +455,16 @@ def _ttt_loss(
         del p_t, neg_entropy
     del hiddens
     restricted_ids = torch.cat(restricted) if restricted else torch.zeros(0, dtype=torch.long, device=device)
+    true_ids = _true_target_ids(model, batch, true, restricted_ids)
+    stats = _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden)
+    return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
+
+
+def _true_target_ids(
+    model: Eagle3Drafter, batch: dict, true: list, restricted_ids: torch.Tensor
+) -> torch.Tensor:
+    """The target's argmax over its whole vocabulary per slot (the true-target accuracy): from the chunks, or the
+    batch's `target_ids`; an error when neither can give it."""
     if true and true[0] is not None:
         true_ids = torch.cat(true)
     else:  # an empty row has no chunk: no ids, but the head decides whether there would be
@@ -533,6 +476,13 @@ def _ttt_loss(
             "true-target accuracy needs the target head rows outside the draft vocab: call "
             "load_target_weights(..., keep_full_head=True) or put `target_ids` (target argmax per slot) in the batch"
         )
+    return true_ids
+
+
+def _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden) -> torch.Tensor:
+    """[len(STAT_KEYS), ttt_steps] float64 sums and counts on the CPU: KL, the accuracies within the draft vocabulary
+    and against the true target (a slot counts at step k when it and every step before were right)."""
+    device, seq_len, ttt_steps = last_hidden.device, last_hidden.shape[0], len(sup)
     stats = torch.zeros(len(STAT_KEYS), ttt_steps, dtype=torch.float64, device=device)
     all_right = torch.ones(seq_len, dtype=torch.bool, device=device)  # every step so far correct
     all_right_true = all_right.clone()
@@ -559,8 +509,7 @@ def _ttt_loss(
                 count.double(),
             ]
         )
-    stats = stats.cpu()  # one transfer for all statistics
-    return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
+    return stats.cpu()  # one transfer for all statistics
 
 
 def ttt_forward(

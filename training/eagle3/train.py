@@ -21,7 +21,7 @@ import yaml
 
 from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
-from eagle3.config import dump_config, load_config
+from eagle3.config import TrainConfig, dump_config, load_config
 from eagle3.errors import (
     EXIT_CONFIG,
     EXIT_CRASH,
@@ -113,21 +113,31 @@ def _raw_value(argv: list[str], config_path: str | None, key: str) -> str | None
     return None
 
 
+def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """`--config FILE` (or `--config=FILE`) and the rest, the `--key value` overrides.
+
+    >>> split_config_arg(["--config", "t.yaml", "--max-seq-len", "8192"])
+    ('t.yaml', ['--max-seq-len', '8192'])
+    >>> split_config_arg(["--lr=1e-4", "--config=t.yaml"])
+    ('t.yaml', ['--lr=1e-4'])
+    """
+    config_path, rest = None, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--config":
+            config_path = next(args, None)
+            if config_path is None:
+                rest.append(arg)  # a flag without its value: the config loader names it
+        elif arg.startswith("--config="):
+            config_path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return config_path, rest
+
+
 def main(argv: list[str]) -> int:
     """`python -m eagle3 train --config FILE [--key value ...]`: returns the process exit code."""
-    config_path = None
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            config_path = argv[i + 1]
-            i += 2
-        elif argv[i].startswith("--config="):
-            config_path = argv[i].split("=", 1)[1]
-            i += 1
-        else:
-            rest.append(argv[i])
-            i += 1
+    config_path, rest = split_config_arg(argv)
     try:
         cfg = load_config(config_path, rest)
     except ConfigError as e:
@@ -140,48 +150,48 @@ def main(argv: list[str]) -> int:
             int(raw_len) if (raw_len or "").isdigit() else None,
         )
         return EXIT_CONFIG
+    return Run(cfg).run()
 
-    rank = dist_utils.env_rank()[0]
-    files = RunFiles(cfg.run_dir, enabled=rank == 0)
-    files.status["max_seq_len"] = cfg.max_seq_len
 
-    def record_error(kind: str, message: str, **detail) -> None:
-        # Any rank may record an OOM or a hang (the others only see a broken or waiting collective); rank 0
-        # records the rest.
-        if rank != 0 and kind not in ("oom", "hang"):
-            return
-        if kind == "crash" and rank == 0 and any(sign in message for sign in PEER_LOST):
-            # Only a symptom: another rank ended first, and if it ran out of memory its record may still be on the
-            # way (a loaded machine delays it). Give it a moment, so that the cause, not the symptom, is recorded.
-            deadline = time.monotonic() + PEER_RECORD_WAIT_S
-            while time.monotonic() < deadline and not _recent_oom(files, since=started_at):
-                time.sleep(0.1)
-        if kind in ("crash", "hang") and _recent_oom(files, since=started_at):
-            return
-        if rank != 0:  # keep rank 0's progress fields, add the error
-            with contextlib.suppress(OSError, ValueError):
-                files.status.update(json.loads((files.run_dir / "status.json").read_text()))
-        files.enabled = True
+class Run:
+    """One start of the trainer process on one rank: set-up in the order that keeps GPU memory untouched until the
+    data is known good, the training, and how it ended (the exit code and status.json's error record)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank = dist_utils.env_rank()[0]
+        self.files = RunFiles(cfg.run_dir, enabled=self.rank == 0)
+        self.files.status["max_seq_len"] = cfg.max_seq_len
+        self.started_at = time.time()
+        self.info: dist_utils.DistInfo | None = None
+        self.watchdog: Watchdog | None = None
+        self.observer: Observer | None = None
+
+    def run(self) -> int:
+        stop = StopRequested(lambda name: _second_signal(self.files, name, self.rank))
+        stop.install()
         try:
-            files.update_status(
-                phase="failed",
-                error={"kind": kind, "message": message, "max_seq_len": cfg.max_seq_len, **detail},
-            )
-        except OSError as e:  # a full disk: the journal still has the message
-            print(
-                f"status.json not updated ({e.strerror or e}): {kind}: {message}", file=sys.stderr, flush=True
-            )
+            trainer = self.set_up(stop)
+            trainer.build_model()
+            return trainer.train()
+        except BaseException as e:
+            return self.ended_by(e)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            if self.observer is not None:
+                self.observer.close()
+            if self.info is not None:
+                with contextlib.suppress(Exception):
+                    dist_utils.shutdown(self.info)
 
-    started_at = time.time()
-    stop = StopRequested(lambda name: _second_signal(files, name, rank))
-    stop.install()
-    info = None
-    watchdog = None
-    observer = None
-    try:
+    def set_up(self, stop: StopRequested) -> Trainer:
+        """Everything before the model: bad input exits 2 before CUDA or the process group take GPU memory."""
+        cfg, files, rank = self.cfg, self.files, self.rank
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        # A missing MLflow or W&B package: exit 2 on every rank, before any GPU work.
-        check_tracker(cfg.tracker)
+        check_tracker(
+            cfg.tracker
+        )  # a missing MLflow or W&B package: exit 2 on every rank, before any GPU work
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dist_utils.set_cuda_alloc_conf()
@@ -199,73 +209,98 @@ def main(argv: list[str]) -> int:
         if host_malloc:
             trainer.log(host_malloc)
         if rank == 0:  # GPU telemetry, the Prometheus textfile, TensorBoard (eagle3.observe)
-            observer = Observer(cfg, describe.device.type, trainer.log)
-            files.observer = observer.start(lambda: files.status.get("step", 0))
+            self.observer = Observer(cfg, describe.device.type, trainer.log)
+            files.observer = self.observer.start(lambda: files.status.get("step", 0))
             files.update_status()
         trainer.check_data()  # bad data exits 2 here, before CUDA or the process group take GPU memory
-        info = dist_utils.init(describe, timeout_s=cfg.collective_timeout_s)
+        self.join_ranks(trainer, describe)
+        return trainer
+
+    def join_ranks(self, trainer: Trainer, describe: dist_utils.DistInfo) -> None:
+        """The process group, the nodes' shared run_dir, the hang watchdog and the memory limit."""
+        cfg = self.cfg
+        self.info = info = dist_utils.init(describe, timeout_s=cfg.collective_timeout_s)
         trainer.hosts = gather_hosts(info)  # each rank's host, for the per-node lines of status.json
         # More than one node: run_dir must be one shared directory (exit 2 naming the node that cannot see it).
         nodes_of = check_run_dir_shared(cfg, info)
         if trainer.run_options.hsdp:
             check_hsdp_groups(nodes_of, trainer.run_options.shard_ranks, trainer.log)
         # Every rank: from here on, no finished step within the bound ends the process with EXIT_HANG.
-        watchdog = Watchdog(
+        self.watchdog = Watchdog(
             floor_s=cfg.watchdog_floor_s, factor=cfg.watchdog_factor, first_step_s=cfg.watchdog_first_step_s,
-            checkpoint_s=cfg.watchdog_checkpoint_s, on_hang=lambda message: record_error("hang", message),
+            checkpoint_s=cfg.watchdog_checkpoint_s, on_hang=lambda message: self.record_error("hang", message),
         ).start()  # fmt: skip
-        trainer.watchdog = watchdog
+        trainer.watchdog = self.watchdog
         apply_memory_limit(cfg.memory_limit_gb, info.device)
         if info.device.type == "cuda" and dist_utils.expandable_segments_active() is False:
             trainer.log(
                 "warning: expandable_segments is not active in the CUDA allocator (PYTORCH_ALLOC_CONF)"
             )
-        trainer.build_model()
-        return trainer.train()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr, flush=True)
-        record_error("config", str(e))
-        return EXIT_CONFIG
-    except StorageError as e:
-        print(f"{e.kind}: {e}", file=sys.stderr, flush=True)
-        record_error(e.kind, str(e), errno=e.errno_name, path=e.path)
-        return EXIT_STORAGE
-    except BaseException as e:
+
+    def ended_by(self, e: BaseException) -> int:
+        """The exit code for an exception out of the set-up or the loop, its record in status.json."""
+        cfg = self.cfg
+        if isinstance(e, ConfigError):
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+            self.record_error("config", str(e))
+            return EXIT_CONFIG
+        if isinstance(e, StorageError):
+            print(f"{e.kind}: {e}", file=sys.stderr, flush=True)
+            self.record_error(e.kind, str(e), errno=e.errno_name, path=e.path)
+            return EXIT_STORAGE
         if isinstance(e, SystemExit | KeyboardInterrupt) and not is_oom(e):
-            raise
+            raise e
         if is_oom(e):
-            message = f"out of memory at max_seq_len={cfg.max_seq_len}: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}"
-            # Drop the exception's frames (they pin tensors) before touching memory again.
-            e.__traceback__ = None
+            detail = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            message = f"out of memory at max_seq_len={cfg.max_seq_len}: {detail}"
+            e.__traceback__ = (
+                None  # drop the exception's frames (they pin tensors) before touching memory again
+            )
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
-            print(
-                f"OOM: {message}; lower max_seq_len or enable activation_checkpointing",
-                file=sys.stderr,
-                flush=True,
-            )
-            record_error("oom", message)
+            print(f"OOM: {message}; lower max_seq_len or enable activation_checkpointing", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            self.record_error("oom", message)
             return EXIT_OOM
-        traceback.print_exc()
+        traceback.print_exception(e)
         errno_name = ckpt.storage_errno(e)
         if (
             errno_name
-        ):  # a write into run_dir outside a checkpoint (status, metrics): the same, a restart cannot help
+        ):  # a write into run_dir outside a checkpoint (status, metrics): a restart cannot help either
             path = str(getattr(e, "filename", None) or cfg.run_dir)
-            record_error(
-                STORAGE_KINDS[errno_name], f"{path}: {errno_name}: {e}"[:2000], errno=errno_name, path=path
-            )
+            record = f"{path}: {errno_name}: {e}"[:2000]
+            self.record_error(STORAGE_KINDS[errno_name], record, errno=errno_name, path=path)
             return EXIT_STORAGE
-        record_error("crash", f"{type(e).__name__}: {e}"[:2000])
+        self.record_error("crash", f"{type(e).__name__}: {e}"[:2000])
         return EXIT_CRASH
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-        if observer is not None:
-            observer.close()
-        if info is not None:
-            with contextlib.suppress(Exception):
-                dist_utils.shutdown(info)
+
+    def record_error(self, kind: str, message: str, **detail) -> None:
+        """Any rank may record an OOM or a hang (the others only see a broken or waiting collective); rank 0
+        records the rest. A crash or hang that follows another rank's OOM is its symptom, not recorded."""
+        files, rank = self.files, self.rank
+        if rank != 0 and kind not in ("oom", "hang"):
+            return
+        if kind == "crash" and rank == 0 and any(sign in message for sign in PEER_LOST):
+            # Only a symptom: another rank ended first, and if it ran out of memory its record may still be on the
+            # way (a loaded machine delays it). Give it a moment, so that the cause, not the symptom, is recorded.
+            deadline = time.monotonic() + PEER_RECORD_WAIT_S
+            while time.monotonic() < deadline and not _recent_oom(files, since=self.started_at):
+                time.sleep(0.1)
+        if kind in ("crash", "hang") and _recent_oom(files, since=self.started_at):
+            return
+        if rank != 0:  # keep rank 0's progress fields, add the error
+            with contextlib.suppress(OSError, ValueError):
+                files.status.update(json.loads((files.run_dir / "status.json").read_text()))
+        files.enabled = True
+        try:
+            files.update_status(
+                phase="failed",
+                error={"kind": kind, "message": message, "max_seq_len": self.cfg.max_seq_len, **detail},
+            )
+        except OSError as e:  # a full disk: the journal still has the message
+            print(
+                f"status.json not updated ({e.strerror or e}): {kind}: {message}", file=sys.stderr, flush=True
+            )
 
 
 # A collective's error when another rank has gone (gloo, NCCL): the cause is that rank's, not this one's.

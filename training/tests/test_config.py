@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from eagle3 import config
+from eagle3 import config, config_help
 from eagle3.config import TrainConfig, dump_config, load_config
 from eagle3.errors import ConfigError
 
@@ -140,7 +140,7 @@ def test_unknown_key_lists_the_known_ones(tmp_path):
 
 
 def test_train_help_lists_every_key_with_type_default_and_allowed_values():
-    text = config.render_help()
+    text = config_help.render_help()
     for spec in config.SPECS.values():
         line = next(line for line in text.splitlines() if line.strip().startswith(spec.flag + " "))
         assert config.format_default(spec.default) in line or spec.bound is config.REQUIRED, line
@@ -151,17 +151,17 @@ def test_train_help_lists_every_key_with_type_default_and_allowed_values():
 
 def test_readme_key_table_is_the_declaration():
     readme = Path(__file__).resolve().parents[1] / "README.md"
-    assert config.readme_table(readme.read_text()) == config.render_markdown(), (
+    assert config_help.readme_table(readme.read_text()) == config_help.render_markdown(), (
         "training/README.md's config key table differs from eagle3/config.py; "
-        "regenerate it: cd training && python -m eagle3.config --readme README.md"
+        "regenerate it: cd training && python -m eagle3.config_help --readme README.md"
     )
 
 
 def test_update_readme_rewrites_only_between_the_markers(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{config.README_BEGIN}\nold table\n{config.README_END}\noutro\n")
-    assert config.update_readme(readme) is True
+    readme.write_text(f"intro\n{config_help.README_BEGIN}\nold table\n{config_help.README_END}\noutro\n")
+    assert config_help.update_readme(readme) is True
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
-    assert config.readme_table(text) == config.render_markdown()
-    assert config.update_readme(readme) is False
+    assert config_help.readme_table(text) == config_help.render_markdown()
+    assert config_help.update_readme(readme) is False

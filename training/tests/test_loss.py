@@ -102,7 +102,7 @@ def _ttt_run(make_model, cfg, batch, **kw):
 def _reference_loss(make_model, cfg, batch):
     """The former per-step path: each TTT step's loss made as the step is made, every loss chunk under checkpoint
     with its target logits made there (eagle3.loss.checkpointed_kl)."""
-    from eagle3.model import step_supervision
+    from eagle3.supervision import step_supervision
 
     model = make_model(cfg, dtype=torch.float64)
     loss = torch.zeros((), dtype=torch.float64)

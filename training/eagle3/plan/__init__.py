@@ -5,13 +5,15 @@ runs: it has no options of its own.
     python -m eagle3 plan --shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing
     python -m eagle3 plan --config train.yaml --world-size 8 --memory-gb 96 --json     # what max_seq_len=auto runs
 
-    model.py      the analytic model: every term names the tensors it stands for; a plan for a budget
+    model.py      the analytic model: every term names the tensors it stands for
+    fit.py        for a budget: the largest max_seq_len, the plan, the fastest memory options that fit
     gpu_probe.py  real steps on this GPU at two lengths, a fitted line, a cached choice (CUDA only)
     cli.py        the command line and its JSON object (the Ansible role parses it)
 
 The names below are the planner's public interface (tests, bench/, eagle3.memtrack use them as `plan.X`).
 """
 
+from eagle3.config import SEQ_BLOCK
 from eagle3.errors import ConfigError
 from eagle3.plan.cli import (
     build_parser,
@@ -21,6 +23,16 @@ from eagle3.plan.cli import (
     main,
     parse_lengths,
     spec_from_args,
+)
+from eagle3.plan.fit import (
+    LOSS_CHUNKS,
+    Plan,
+    budget_bytes,
+    cpu_heap_chunk,
+    largest_fitting,
+    loss_chunk_choice,
+    make_plan,
+    memory_options_choice,
 )
 from eagle3.plan.gpu_probe import (
     ProbeUnavailable,
@@ -37,21 +49,14 @@ from eagle3.plan.model import (
     EXACT_BLOCK,
     GIB,
     MAX_SEARCH_LEN,
-    SEQ_BLOCK,
-    Plan,
     activation_bytes,
     activation_terms,
     batch_bytes,
     breakdown,
-    budget_bytes,
     checkpointed_step_terms,
     dynamic_bytes,
     exact_block_elements,
     gqa_savings,
-    largest_fitting,
-    loss_chunk_choice,
-    make_plan,
-    memory_options_choice,
     on_cuda,
     once_held_terms,
     predict_peak_bytes,
@@ -68,6 +73,7 @@ __all__ = [
     "DEFAULT_LENGTHS",
     "EXACT_BLOCK",
     "GIB",
+    "LOSS_CHUNKS",
     "MAX_SEARCH_LEN",
     "SEQ_BLOCK",
     "SHAPES",
@@ -86,6 +92,7 @@ __all__ = [
     "checkpointed_step_terms",
     "choose",
     "config_hash",
+    "cpu_heap_chunk",
     "cuda_measure",
     "default_cache_dir",
     "dynamic_bytes",

@@ -19,17 +19,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from eagle3.config import SEQ_BLOCK
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
+from eagle3.plan.fit import Plan, budget_bytes, cpu_heap_chunk, make_plan
 from eagle3.plan.gpu_probe import ProbeUnavailable, probe
-from eagle3.plan.model import (
-    DEFAULT_LENGTHS,
-    GIB,
-    SEQ_BLOCK,
-    Plan,
-    budget_bytes,
-    cpu_heap_chunk,
-    make_plan,
-)
+from eagle3.plan.model import DEFAULT_LENGTHS, GIB
 from eagle3.spec import SHAPE_KEYS, SHAPES, RunSpec, data_bytes_of, drafter_config, spec_of
 
 # The options the command line shares with the trainer config: given, they replace the config's.

@@ -12,14 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from eagle3.plan.model import (
-    GIB,
-    batch_bytes,
-    budget_bytes,
-    dynamic_bytes,
-    largest_fitting,
-    static_bytes,
-)
+from eagle3.plan.fit import budget_bytes, largest_fitting
+from eagle3.plan.model import GIB, batch_bytes, dynamic_bytes, static_bytes
 from eagle3.spec import RunSpec
 
 
