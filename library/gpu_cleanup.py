@@ -279,6 +279,15 @@ D_STATE_HINT = (
     "no signal from inside the container helps; check dmesg on the Proxmox node, then reset the GPU "
     "(nvidia-smi -r) or reboot the node"
 )
+MEMORY_HELD = (
+    "GPU memory still in use after cleanup ({listed}; tolerance {tolerance} MiB) although no process here holds a "
+    "GPU device: a process outside this container, or a context the driver has not freed (zombie with pinned "
+    "memory); check nvidia-smi on the Proxmox node"
+)
+
+
+STRINGS = {"type": "list", "elements": "str"}
+PROTECT = ["nvidia-persistenced", "nv-hostengine", "dcgm*", "sshd", "systemd*"]
 
 
 def argument_spec() -> dict:
@@ -286,25 +295,14 @@ def argument_spec() -> dict:
         "unit": {"type": "str"},
         "stop_timeout": {"type": "float", "default": 120},
         "marker": {"type": "str"},
-        "devices": {
-            "type": "list",
-            "elements": "str",
-            "default": ["/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"],
-        },
-        "match_cmdline": {"type": "list", "elements": "str", "default": []},
-        "protect": {
-            "type": "list",
-            "elements": "str",
-            "default": ["nvidia-persistenced", "nv-hostengine", "dcgm*", "sshd", "systemd*"],
-        },
+        # module_utils/procs.py declares it; DOCUMENTATION states it for ansible-doc (tests/test_contracts.py)
+        "devices": {**STRINGS, "default": procs.DEVICE_GLOBS},
+        "match_cmdline": {**STRINGS, "default": []},
+        "protect": {**STRINGS, "default": PROTECT},
         "term_timeout": {"type": "float", "default": 30},
         "kill_timeout": {"type": "float", "default": 10},
         "timeout": {"type": "float"},
-        "sweep": {
-            "type": "list",
-            "elements": "str",
-            "default": ["/dev/shm/nccl-*", "/dev/shm/torch_*", "/tmp/torchelastic_*"],
-        },
+        "sweep": {**STRINGS, "default": ["/dev/shm/nccl-*", "/dev/shm/torch_*", "/tmp/torchelastic_*"]},
         "gpu_memory_tolerance_mib": {"type": "int", "default": 1024},
         "stop_report": {"type": "str"},
         "spare_unit": {"type": "bool", "default": False},
@@ -366,21 +364,14 @@ def verify_memory(before_query: dict, tolerance: int, deadline: float, call_time
         after, query = measure(call_timeout)
         status["after"] = after
         if after is None:
-            reason = query["error"] or "no GPU reported"
-            return dict(status, status="unverified", message=reason)
+            return dict(status, status="unverified", message=query["error"] or "no GPU reported")
         over = nvml.over_tolerance(after, tolerance)
         if not over:
             return dict(status, status="ok", message=f"every GPU at or below {tolerance} MiB used")
         if time.monotonic() + interval >= deadline:
             listed = ", ".join(f"GPU {g['index']}: {g['used_mib']} MiB" for g in over)
             return dict(
-                status,
-                status="failed",
-                message=(
-                    f"GPU memory still in use after cleanup ({listed}; tolerance {tolerance} MiB) although no "
-                    "process here holds a GPU device: a process outside this container, or a context the "
-                    "driver has not freed (zombie with pinned memory); check nvidia-smi on the Proxmox node"
-                ),
+                status, status="failed", message=MEMORY_HELD.format(listed=listed, tolerance=tolerance)
             )
         time.sleep(interval)
         interval = min(interval * 1.5, 1.0)
@@ -394,24 +385,7 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
     # nvidia-smi can hang: each call gets a tenth of the budget, between 1 and 10 s.
     call_timeout = min(10.0, max(1.0, budget.total / 10))
     before, before_query = measure(call_timeout)
-
-    if selectors.unit and selectors.spare_unit:
-        unit = proc_stop.unit_state(selectors.unit)
-        unit.update(
-            stopped=False,
-            spared=True,
-            message=f"{unit.get('message', '')} (kept running: foreign holders only)",
-        )
-    elif selectors.unit and not check_mode:
-        stop_bound = min(budget.stop, max(deadline - time.monotonic() - budget.kill, 1.0))
-        stop_began = time.time()
-        unit = proc_stop.stop_unit(selectors.unit, stop_bound)
-        unit["escalation"] = stop_escalation(p["stop_report"], stop_began)
-    elif selectors.unit:
-        unit = proc_stop.unit_state(selectors.unit)
-    else:
-        unit = {"state": "none", "stopped": False, "message": "no unit given"}
-    unit["name"] = selectors.unit
+    unit = unit_step(selectors, budget, p["stop_report"], check_mode, deadline)
 
     remaining = max(deadline - time.monotonic(), 0.1)
     outcome = proc_stop.terminate(
@@ -438,21 +412,7 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         error = None if check_mode else proc_stop.remove_path(path)
         (sweep_errors if error else removed).append(error or path)
 
-    # Protected holders (nvidia-persistenced, ...) are never signalled and do not fail the cleanup, but they still
-    # hold a device: they are reported apart, so "held afterwards" never reads 0 while one holds /dev/nvidia1.
-    after = (
-        []
-        if check_mode
-        else procs.holders(
-            selectors.devices,
-            exclude_unit=selectors.unit if selectors.spare_unit else None,
-            protect=selectors.protect,
-            self_pid=self_pid,
-            include_protected=True,
-        )
-    )
-    holders_after = [h for h in after if not h["protected"]]
-    protected_holders = [h for h in after if h["protected"]]
+    holders_after, protected_holders = holders_step(selectors, check_mode, self_pid)
     if check_mode:
         gpu = {
             "source": before_query["source"],
@@ -486,6 +446,46 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
     }
     result["msg"] = summary(result, check_mode)
     return result, failure(result)
+
+
+def unit_step(selectors, budget, stop_report: str | None, check_mode: bool, deadline: float) -> dict:
+    """Stop the job's unit (or only read its state: spared, check mode); the unit part of the result."""
+    if selectors.unit and selectors.spare_unit:
+        unit = proc_stop.unit_state(selectors.unit)
+        unit.update(
+            stopped=False,
+            spared=True,
+            message=f"{unit.get('message', '')} (kept running: foreign holders only)",
+        )
+    elif selectors.unit and not check_mode:
+        stop_bound = min(budget.stop, max(deadline - time.monotonic() - budget.kill, 1.0))
+        stop_began = time.time()
+        unit = proc_stop.stop_unit(selectors.unit, stop_bound)
+        unit["escalation"] = stop_escalation(stop_report, stop_began)
+    elif selectors.unit:
+        unit = proc_stop.unit_state(selectors.unit)
+    else:
+        unit = {"state": "none", "stopped": False, "message": "no unit given"}
+    unit["name"] = selectors.unit
+    return unit
+
+
+def holders_step(selectors, check_mode: bool, self_pid: int | None) -> tuple[list[dict], list[dict]]:
+    """(unprotected, protected) processes still holding a device at the end; nothing looked at in check mode.
+
+    Protected holders (nvidia-persistenced, ...) are never signalled and do not fail the cleanup, but they still
+    hold a device: they are reported apart, so "held afterwards" never reads 0 while one holds /dev/nvidia1.
+    """
+    if check_mode:
+        return [], []
+    after = procs.holders(
+        selectors.devices,
+        exclude_unit=selectors.unit if selectors.spare_unit else None,
+        protect=selectors.protect,
+        self_pid=self_pid,
+        include_protected=True,
+    )
+    return [h for h in after if not h["protected"]], [h for h in after if h["protected"]]
 
 
 def stop_escalation(path: str | None, since: float) -> dict | None:
@@ -522,13 +522,9 @@ def summary(r: dict, check_mode: bool) -> str:
             f"unit {r['unit']['name'] or '-'}: {r['unit']['state']}"
         )
     g = r["gpu_memory"]
-    mem = ""
-    if g["before"] is not None or g["after"] is not None:
-
-        def total(rows):
-            return f"{sum(x['used_mib'] or 0 for x in rows):.0f}" if rows is not None else "?"
-
-        mem = f", GPU memory {total(g['before'])} -> {total(g['after'])} MiB"
+    total = lambda rows: f"{sum(x['used_mib'] or 0 for x in rows):.0f}" if rows is not None else "?"  # noqa: E731
+    measured = g["before"] is not None or g["after"] is not None
+    mem = f", GPU memory {total(g['before'])} -> {total(g['after'])} MiB" if measured else ""
     escalated = (r["unit"].get("escalation") or {}).get("message")
     return (
         f"unit {r['unit']['name'] or '-'}: {'stopped' if r['unit']['stopped'] else r['unit']['state']}"

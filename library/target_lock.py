@@ -205,75 +205,72 @@ CHECK_HOW = {
 }
 
 
-def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            path=dict(type="path", default="/run/lock/eagle3-pve.lock"),
-            state=dict(type="str", choices=["acquired", "renewed", "released", "query"], default="acquired"),
-            owner=dict(type="str"),
-            purpose=dict(type="str", default=""),
-            playbook=dict(type="str", default=""),
-            controller=dict(type="dict"),
-            wait=dict(type="int", default=30),
-            ttl=dict(type="int"),
-            break_owner=dict(type="str"),
-            live_owner=dict(type="str"),
-            take_stale=dict(type="bool", default=True),
-            fail_on_busy=dict(type="bool", default=True),
-        ),
-        required_if=[("state", s, ["owner"]) for s in ("acquired", "renewed", "released")],
-        supports_check_mode=True,
-    )
-    p = module.params
-    if p["wait"] < 0 or (p["ttl"] is not None and p["ttl"] <= 0):
-        module.fail_json(msg=f"wait must be >= 0 and ttl > 0, got wait={p['wait']} ttl={p['ttl']}")
-    path, owner, state = p["path"], p["owner"], p["state"]
+ARGUMENT_SPEC = dict(
+    path=dict(type="path", default="/run/lock/eagle3-pve.lock"),
+    state=dict(type="str", choices=["acquired", "renewed", "released", "query"], default="acquired"),
+    owner=dict(type="str"),
+    purpose=dict(type="str", default=""),
+    playbook=dict(type="str", default=""),
+    controller=dict(type="dict"),
+    wait=dict(type="int", default=30),
+    ttl=dict(type="int"),
+    break_owner=dict(type="str"),
+    live_owner=dict(type="str"),
+    take_stale=dict(type="bool", default=True),
+    fail_on_busy=dict(type="bool", default=True),
+)
 
-    def with_holder(result: dict, rec: dict | None) -> dict:
-        if rec:
-            result.update(holder=rec, described=describe(rec))
-        return result
 
-    if state == "query":
-        module.exit_json(
-            **with_holder(
-                {"changed": False, "waited": 0.0, "held": read_record(path) is not None}, read_record(path)
-            )
+def with_holder(result: dict, rec: dict | None) -> dict:
+    if rec:
+        result.update(holder=rec, described=describe(rec))
+    return result
+
+
+def state_query(module: AnsibleModule, path: str) -> None:
+    module.exit_json(
+        **with_holder(
+            {"changed": False, "waited": 0.0, "held": read_record(path) is not None}, read_record(path)
         )
+    )
 
-    if state == "released":
-        if module.check_mode:
-            module.exit_json(**with_holder({"changed": False, "waited": 0.0}, read_record(path)))
-        try:
-            released, seen = release(path, owner)
-        except LockError as exc:
-            module.fail_json(msg=str(exc), waited=0.0)
-        result = {"changed": released, "waited": 0.0}
-        if not released:
-            with_holder(result, seen)
-        module.exit_json(**result)
 
-    if state == "renewed":
-        if module.check_mode:
-            module.exit_json(
-                changed=False, waited=0.0, overdue=0.0, msg="check mode: nothing held, nothing renewed"
-            )
-        try:
-            rec, overdue = renew(path, owner, p["ttl"])
-        except LockError as exc:
-            module.fail_json(msg=str(exc), waited=0.0)
-        if overdue > 0:
-            module.warn(
-                f"renewed the lock {path} {overdue:.0f} s after its lease ran out (nobody took it meanwhile); "
-                "renew it more often or give the step before a longer ttl"
-            )
-        module.exit_json(changed=False, waited=0.0, overdue=round(overdue, 1), lock=rec)
+def state_released(module: AnsibleModule, path: str, owner: str) -> None:
+    if module.check_mode:
+        module.exit_json(**with_holder({"changed": False, "waited": 0.0}, read_record(path)))
+    try:
+        released, seen = release(path, owner)
+    except LockError as exc:
+        module.fail_json(msg=str(exc), waited=0.0)
+    result = {"changed": released, "waited": 0.0}
+    if not released:
+        with_holder(result, seen)
+    module.exit_json(**result)
 
-    # acquired
+
+def state_renewed(module: AnsibleModule, path: str, owner: str, ttl: int | None) -> None:
+    if module.check_mode:
+        module.exit_json(
+            changed=False, waited=0.0, overdue=0.0, msg="check mode: nothing held, nothing renewed"
+        )
+    try:
+        rec, overdue = renew(path, owner, ttl)
+    except LockError as exc:
+        module.fail_json(msg=str(exc), waited=0.0)
+    if overdue > 0:
+        module.warn(
+            f"renewed the lock {path} {overdue:.0f} s after its lease ran out (nobody took it meanwhile); "
+            "renew it more often or give the step before a longer ttl"
+        )
+    module.exit_json(changed=False, waited=0.0, overdue=round(overdue, 1), lock=rec)
+
+
+def state_acquired(module: AnsibleModule, p: dict) -> None:
+    path = p["path"]
     try:
         outcome, holder, waited = acquire(
             path,
-            owner,
+            p["owner"],
             wait=0 if module.check_mode else p["wait"],
             ttl=p["ttl"] or DEFAULT_TTL,
             purpose=p["purpose"],
@@ -320,6 +317,25 @@ def main():
     elif outcome == "broken":
         module.warn(f"broke the lock {path} of a run that is gone (break_owner): {describe(holder)}")
     module.exit_json(**result)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=ARGUMENT_SPEC,
+        required_if=[("state", s, ["owner"]) for s in ("acquired", "renewed", "released")],
+        supports_check_mode=True,
+    )
+    p = module.params
+    if p["wait"] < 0 or (p["ttl"] is not None and p["ttl"] <= 0):
+        module.fail_json(msg=f"wait must be >= 0 and ttl > 0, got wait={p['wait']} ttl={p['ttl']}")
+    if p["state"] == "query":
+        state_query(module, p["path"])
+    elif p["state"] == "released":
+        state_released(module, p["path"], p["owner"])
+    elif p["state"] == "renewed":
+        state_renewed(module, p["path"], p["owner"], p["ttl"])
+    else:
+        state_acquired(module, p)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.restart_backoff import DEFAULT_UNIT
 from ansible.module_utils.restart_backoff import STATE_FILE as BACKOFF_FILE
 from ansible.module_utils.restart_backoff import read_state as read_backoff
 from ansible.module_utils.run_lock import LockError, renew
@@ -219,92 +220,113 @@ def progress_line(message: str, status: dict | None, min_steps: int, fresh: bool
     return ", ".join(parts)
 
 
-def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            unit=dict(type="str", default="eagle3-train.service"),
-            run_dir=dict(type="path", required=True),
-            state_dir=dict(type="path"),
-            min_steps=dict(type="int", default=3),
-            timeout=dict(type="int", default=600),
-            poll_interval=dict(type="float", default=1.0),
-            poll_for=dict(type="float"),
-            wait_started=dict(type="float"),
-            baseline_step=dict(type="int"),
-            log_lines=dict(type="int", default=30),
-            max_seq_len=dict(type="int"),
-            lock_path=dict(type="path"),
-            lock_owner=dict(type="str"),
-            lock_ttl=dict(type="int"),
-        ),
-        required_together=[("lock_path", "lock_owner")],
-        supports_check_mode=True,
-    )
-    p = module.params
+ARGUMENT_SPEC = dict(
+    unit=dict(type="str", default=DEFAULT_UNIT),
+    run_dir=dict(type="path", required=True),
+    state_dir=dict(type="path"),
+    min_steps=dict(type="int", default=3),
+    timeout=dict(type="int", default=600),
+    poll_interval=dict(type="float", default=1.0),
+    poll_for=dict(type="float"),
+    wait_started=dict(type="float"),
+    baseline_step=dict(type="int"),
+    log_lines=dict(type="int", default=30),
+    max_seq_len=dict(type="int"),
+    lock_path=dict(type="path"),
+    lock_owner=dict(type="str"),
+    lock_ttl=dict(type="int"),
+)
+
+
+def check_params(module: AnsibleModule, p: dict) -> None:
     for key in ("min_steps", "timeout", "poll_interval"):
         if p[key] <= 0:
             module.fail_json(msg=f"{key} must be positive, got {p[key]}")
     if p["poll_for"] is not None and p["poll_for"] < 0:
         module.fail_json(msg=f"poll_for must be 0 or more, got {p['poll_for']}")
-    wall_start = p["wait_started"] if p["wait_started"] is not None else time.time()
+
+
+def renew_or_fail(module: AnsibleModule, p: dict, wall_start: float, first_step) -> None:
+    """Renew the run lock's lease; a lost lock fails the task (verdict lock_lost)."""
+    try:
+        renew(p["lock_path"], p["lock_owner"], p["lock_ttl"])
+    except LockError as exc:
+        module.fail_json(
+            msg=str(exc),
+            verdict="lock_lost",
+            status={},
+            unit={},
+            elapsed=0.0,
+            progress=str(exc),
+            wait_started=wall_start,
+            baseline_step=first_step,
+        )
+
+
+def observe(p: dict, wall_start: float, first_step) -> dict:
+    """One look at the unit and status.json: {kind, message, status, unit, started_at, first_step}."""
+    unit = unit_state(p["unit"])
+    status = read_status(status_path(p["run_dir"]))
+    # 1 s of slack: the trainer may write its first status within the second systemd stamps the start.
+    started_at = unit_started_at(unit)
+    kind, message = verdict(
+        status,
+        unit,
+        min_steps=p["min_steps"],
+        started_at=started_at - 1.0,
+        max_seq_len=p["max_seq_len"],
+    )
+    # Restarting after a failure: the run's state (train_status.run_state, which status.yml shows too) is
+    # crash-looping, said now with the last exit's reason, not after the whole timeout.
+    if kind == "waiting" and unit.get("ActiveState") == "activating":
+        record = read_backoff(os.path.join(p["state_dir"] or p["run_dir"], BACKOFF_FILE))
+        run = run_state(status, unit, record, started_at, time.time())
+        if run["state"] == "crash-looping":
+            kind = "crash"
+            message = (
+                f"crash loop: {record['failures']} failed run(s) in a row, systemd restarts it with a growing "
+                f"delay; last exit: {run['reason'] or '?'}"
+            )
+    # A run that was already going before this wait (train.yml found nothing to change) is healthy only once
+    # it is seen to advance now: steps completed an hour ago say nothing about a run stuck since.
+    step = (status or {}).get("step")
+    if first_step is None and step is not None:
+        first_step = step
+    if kind == "healthy" and started_at < wall_start - 5 and step == first_step:
+        kind, message = "waiting", f"running since before this check; waiting to see it pass step {step}"
+    return {"kind": kind, "message": message, "status": status, "unit": unit, "started_at": started_at,
+            "first_step": first_step}  # fmt: skip
+
+
+def wait(module: AnsibleModule, p: dict, wall_start: float) -> dict:
+    """Poll until a verdict other than waiting, the timeout, or this call's poll_for; the last observation."""
     deadline = wall_start + p["timeout"]
     call_deadline = time.time() + p["poll_for"] if p["poll_for"] is not None else deadline
-    path = status_path(p["run_dir"])
-    kind, message, status, unit = "waiting", "", None, {}
-    first_step = p["baseline_step"]
     renew_lock = bool(p["lock_path"]) and not module.check_mode
     renewed_at = None
+    seen = {"first_step": p["baseline_step"]}
     while True:
         # The run lock's lease, renewed while this run waits here (at most every 5 s; each call renews once).
         if renew_lock and (renewed_at is None or time.monotonic() - renewed_at >= 5):
-            try:
-                renew(p["lock_path"], p["lock_owner"], p["lock_ttl"])
-            except LockError as exc:
-                module.fail_json(
-                    msg=str(exc),
-                    verdict="lock_lost",
-                    status={},
-                    unit={},
-                    elapsed=0.0,
-                    progress=str(exc),
-                    wait_started=wall_start,
-                    baseline_step=first_step,
-                )
+            renew_or_fail(module, p, wall_start, seen["first_step"])
             renewed_at = time.monotonic()
-        unit = unit_state(p["unit"])
-        status = read_status(path)
-        # 1 s of slack: the trainer may write its first status within the second systemd stamps the start.
-        started_at = unit_started_at(unit)
-        kind, message = verdict(
-            status,
-            unit,
-            min_steps=p["min_steps"],
-            started_at=started_at - 1.0,
-            max_seq_len=p["max_seq_len"],
-        )
-        # Restarting after a failure: the run's state (train_status.run_state, which status.yml shows too) is
-        # crash-looping, said now with the last exit's reason, not after the whole timeout.
-        if kind == "waiting" and unit.get("ActiveState") == "activating":
-            record = read_backoff(os.path.join(p["state_dir"] or p["run_dir"], BACKOFF_FILE))
-            run = run_state(status, unit, record, started_at, time.time())
-            if run["state"] == "crash-looping":
-                kind = "crash"
-                message = (
-                    f"crash loop: {record['failures']} failed run(s) in a row, systemd restarts it with a growing "
-                    f"delay; last exit: {run['reason'] or '?'}"
-                )
-        # A run that was already going before this wait (train.yml found nothing to change) is healthy only once
-        # it is seen to advance now: steps completed an hour ago say nothing about a run stuck since.
-        step = (status or {}).get("step")
-        if first_step is None and step is not None:
-            first_step = step
-        if kind == "healthy" and started_at < wall_start - 5 and step == first_step:
-            kind, message = "waiting", f"running since before this check; waiting to see it pass step {step}"
+        seen = observe(p, wall_start, seen["first_step"])
         now = time.time()
-        if kind != "waiting" or now >= deadline or now >= call_deadline:
-            break
+        if seen["kind"] != "waiting" or now >= deadline or now >= call_deadline:
+            return seen
         time.sleep(min(p["poll_interval"], max(call_deadline - now, 0.05)))
 
+
+def main():
+    module = AnsibleModule(
+        argument_spec=ARGUMENT_SPEC, required_together=[("lock_path", "lock_owner")], supports_check_mode=True
+    )
+    p = module.params
+    check_params(module, p)
+    wall_start = p["wait_started"] if p["wait_started"] is not None else time.time()
+    deadline = wall_start + p["timeout"]
+    seen = wait(module, p, wall_start)
+    kind, message, status, unit = seen["kind"], seen["message"], seen["status"], seen["unit"]
     result = {
         "changed": False,
         "verdict": kind,
@@ -315,11 +337,11 @@ def main():
         "elapsed": round(time.time() - wall_start, 1),
         "progress": message,
         "wait_started": wall_start,
-        "baseline_step": first_step,
+        "baseline_step": seen["first_step"],
     }
     if kind == "waiting" and time.time() < deadline:
         result["progress"] = progress_line(
-            message, status, p["min_steps"], is_fresh(status or {}, started_at - 1.0)
+            message, status, p["min_steps"], is_fresh(status or {}, seen["started_at"] - 1.0)
         )
         module.exit_json(msg=message, **result)
     if kind in ("healthy", "done"):

@@ -145,6 +145,7 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.procs import holders
+from ansible.module_utils.restart_backoff import DEFAULT_UNIT
 from ansible.module_utils.restart_backoff import STATE_FILE as BACKOFF_FILE
 from ansible.module_utils.restart_backoff import read_state
 from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state, unit_workers
@@ -173,7 +174,7 @@ def tensorboard_events(run_dir: str) -> dict:
 def main():
     module = AnsibleModule(
         argument_spec=dict(
-            unit=dict(type="str", default="eagle3-train.service"),
+            unit=dict(type="str", default=DEFAULT_UNIT),
             run_dir=dict(type="path", required=True),
             state_dir=dict(type="path"),
             devices=dict(type="list", elements="str", default=[]),

@@ -50,6 +50,10 @@ EXITED_STATES = ("Z", "X", "x")
 UNINTERRUPTIBLE_STATES = ("D",)
 # systemd ActiveState values of a unit that still has (or is about to have) processes to stop.
 ACTIVE_STATES = ("active", "activating", "deactivating", "reloading", "refreshing")
+# A GPU job's device nodes (globs): a process holding one open or mapped holds a GPU. The one declaration: the
+# gpu_cleanup module's default devices, the gpu_cleanup role's default (plugins/filter/target_constants.py reads
+# it on the controller) and bench/gpu_check.py read it (tests/test_contracts.py holds them to it).
+DEVICE_GLOBS = ["/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
 
 
 @dataclass(frozen=True)

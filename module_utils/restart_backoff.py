@@ -32,6 +32,10 @@ import time
 DEFAULT_DELAYS = (10.0, 30.0, 90.0, 270.0, 600.0)
 # Its name in the trainer's run directory (the unit template passes the path; tests/test_contracts.py checks it).
 STATE_FILE = "restart-backoff.json"
+# The training job's systemd unit, when none is named: the one declaration. This file is deployed alone (the unit
+# runs it), so the name lives here; train_report, train_health and the gpu_cleanup role's default read it
+# (tests/test_contracts.py holds them to it).
+DEFAULT_UNIT = "eagle3-train.service"
 
 # What the journal says when the trainer's own status.json could not (a rank killed, rendezvous, NCCL).
 # The launcher's own line about a killed agent comes first: it names the cause, the workers' errors follow from it.
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     post = sub.add_parser("post-stop", help="record how the run ended (systemd's ExecStopPost=)")
     post.add_argument("--state", required=True)
     post.add_argument("--status", required=True, help="the trainer's status.json")
-    post.add_argument("--unit", default="eagle3-train.service")
+    post.add_argument("--unit", default=DEFAULT_UNIT)
     post.add_argument("--reset-after", type=float, default=1800.0)
     reset = sub.add_parser("reset", help="forget earlier failures (a deliberate new start)")
     reset.add_argument("--state", required=True)

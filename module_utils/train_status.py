@@ -290,11 +290,7 @@ def run_state(
     fresh = status is not None and is_fresh(status, started_at - 1.0)
     s = status or {}
     err = s.get("error") if fresh else None
-    reason = ""
-    if err:
-        reason = f"{err.get('kind', 'crash')}: {err.get('message', '')}".rstrip(": ")
-    elif last and last.get("reason") not in (None, "clean"):
-        reason = f"{last.get('reason')}: {last.get('message', '')}".rstrip(": ")
+    reason = _failure_reason(err, last)
     out = {"state": "", "reason": reason, "detail": "", "stalled": False}
 
     restarting = (
@@ -335,15 +331,8 @@ def run_state(
         return out
     if active == "active":
         out["state"] = "running"
-        interval, after = expected_update_interval(s), stall_after(s)
-        silent = now - float(s.get("updated") or now)
-        if after is not None and silent > after:
-            out["stalled"] = True
-            out["detail"] = f"stalled: no step for {silent:.0f} s (expected about {interval:.0f} s)"
-            if s.get("watchdog_bound_s"):
-                out["detail"] += (
-                    f"; the hang watchdog ends the run after {float(s['watchdog_bound_s']):.0f} s"
-                )
+        out["detail"] = _stall(s, now)
+        out["stalled"] = bool(out["detail"])
         return out
     if active == "activating":
         out["state"] = "starting"
@@ -351,16 +340,9 @@ def run_state(
         return out
     if active == "failed" or (active == "inactive" and result not in ("", "success")):
         out["state"] = "failed"
-        kind = (err or {}).get("kind") or last.get("reason")
-        if kind in NO_RESTART_KINDS and result != "start-limit-hit":
-            # RestartPreventExitStatus: the unit stopped at the first such exit, whatever failed before it.
-            out["detail"] = f"stopped without a restart: a restart cannot fix {kind}"
-        elif result == "start-limit-hit" or failures > 1:
-            # systemd stops restarting at StartLimitBurst=; the unit then reads failed (result exit-code or
-            # start-limit-hit) after several failed runs in a row.
-            out["detail"] = f"gave up: the unit hit its start limit after {failures} failed run(s) in a row"
-        else:
-            out["detail"] = f"unit {active} (result {result or '?'})"
+        out["detail"] = _failed_detail(
+            (err or {}).get("kind") or last.get("reason"), active, result, failures
+        )
         return out
     if s.get("phase") == "done":
         out["state"] = "finished"
@@ -371,3 +353,36 @@ def run_state(
         f", last step {s.get('step')}" if s.get("step") is not None else ""
     )
     return out
+
+
+def _failure_reason(err: dict | None, last: dict) -> str:
+    """'KIND: MESSAGE' of this run's reported error, else of the last exit the restart record holds ('' if clean)."""
+    if err:
+        return f"{err.get('kind', 'crash')}: {err.get('message', '')}".rstrip(": ")
+    if last and last.get("reason") not in (None, "clean"):
+        return f"{last.get('reason')}: {last.get('message', '')}".rstrip(": ")
+    return ""
+
+
+def _stall(s: dict, now: float) -> str:
+    """Why a running run counts as stalled (no step for longer than its bound), or '' when it is not."""
+    interval, after = expected_update_interval(s), stall_after(s)
+    silent = now - float(s.get("updated") or now)
+    if after is None or silent <= after:
+        return ""
+    detail = f"stalled: no step for {silent:.0f} s (expected about {interval:.0f} s)"
+    if s.get("watchdog_bound_s"):
+        detail += f"; the hang watchdog ends the run after {float(s['watchdog_bound_s']):.0f} s"
+    return detail
+
+
+def _failed_detail(kind: str | None, active: str, result: str, failures: int) -> str:
+    """What a failed unit's state means: stopped at a no-restart exit, gave up, or the unit's own result."""
+    if kind in NO_RESTART_KINDS and result != "start-limit-hit":
+        # RestartPreventExitStatus: the unit stopped at the first such exit, whatever failed before it.
+        return f"stopped without a restart: a restart cannot fix {kind}"
+    if result == "start-limit-hit" or failures > 1:
+        # systemd stops restarting at StartLimitBurst=; the unit then reads failed (result exit-code or
+        # start-limit-hit) after several failed runs in a row.
+        return f"gave up: the unit hit its start limit after {failures} failed run(s) in a row"
+    return f"unit {active} (result {result or '?'})"

@@ -90,3 +90,100 @@ def test_the_tensorboard_folder_has_one_name():
     assert declared, "eagle3.observe no longer declares TENSORBOARD_DIR"
     source = (ROOT / "library" / "train_report.py").read_text()
     assert f'TENSORBOARD_DIR = "{declared.group(1)}"' in source
+
+
+# ------------------------------------------------------------------ facts the controller reads, not copies
+# - The GPU device globs: module_utils/procs.DEVICE_GLOBS. gpu_cleanup's default is it (DOCUMENTATION states it for
+#   ansible-doc), the gpu_cleanup role's default reads it (target_constant), bench/gpu_check.py imports it.
+# - The training unit's name: module_utils/restart_backoff.DEFAULT_UNIT (that file is deployed alone, so the name lives
+#   there). train_report, train_health and restart_backoff's post-stop default to it; so does the role.
+# - The length block: eagle3.config.SEQ_BLOCK. role_inputs' max_seq_len check and plan.yml (trainer_constant) read it.
+
+
+def _load(path: str, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _documented_default(module, option: str):
+    import yaml
+
+    return yaml.safe_load(module.DOCUMENTATION)["options"][option]["default"]
+
+
+def test_the_gpu_device_globs_have_one_declaration():
+    from module_utils import procs
+
+    gpu_cleanup = _load("library/gpu_cleanup.py", "contract_gpu_cleanup")
+    assert gpu_cleanup.argument_spec()["devices"]["default"] is gpu_cleanup.procs.DEVICE_GLOBS
+    assert gpu_cleanup.procs.DEVICE_GLOBS == procs.DEVICE_GLOBS
+    assert _documented_default(gpu_cleanup, "devices") == procs.DEVICE_GLOBS  # what ansible-doc shows
+
+    constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
+    assert constants.target_constant("procs.DEVICE_GLOBS") == procs.DEVICE_GLOBS
+    defaults = (ROOT / "roles/gpu_cleanup/defaults/main.yml").read_text()
+    assert re.search(
+        r"""^gpu_cleanup_devices: "\{\{ 'procs\.DEVICE_GLOBS' \| target_constant \}\}"$""", defaults, re.M
+    )
+    specs = (ROOT / "roles/gpu_cleanup/meta/argument_specs.yml").read_text()
+    bench = (ROOT / "bench/gpu_check.py").read_text()
+    assert re.search(r"^from procs import DEVICE_GLOBS\b", bench, re.M)
+    for path, text in (("defaults", defaults), ("argument_specs", specs), ("bench/gpu_check.py", bench)):
+        for glob in procs.DEVICE_GLOBS[1:]:  # (/dev/nvidia[0-9]* also names the kind path_glob's example)
+            assert glob not in text, f"{path} restates {glob}"
+
+
+def test_the_training_units_name_has_one_declaration():
+    unit = restart_backoff.DEFAULT_UNIT
+    health = _load("library/train_health.py", "contract_train_health")
+    assert health.ARGUMENT_SPEC["unit"]["default"] is health.DEFAULT_UNIT
+    assert unit == health.DEFAULT_UNIT and _documented_default(health, "unit") == unit
+    report = _load("library/train_report.py", "contract_train_report")
+    assert unit == report.DEFAULT_UNIT and _documented_default(report, "unit") == unit
+    for path in ("library/train_report.py", "library/train_health.py", "module_utils/restart_backoff.py"):
+        code = (ROOT / path).read_text()
+        assert not re.search(r"default\s*=\s*[\"']eagle3-train", code), f"{path} restates the unit's name"
+    assert (ROOT / "module_utils/restart_backoff.py").read_text().count('"eagle3-train.service"') == 1
+    assert "default=DEFAULT_UNIT" in (ROOT / "library/train_report.py").read_text()
+    assert (
+        'post.add_argument("--unit", default=DEFAULT_UNIT)'
+        in (ROOT / "module_utils/restart_backoff.py").read_text()
+    )
+
+    constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
+    assert constants.target_constant("restart_backoff.DEFAULT_UNIT") == unit
+    defaults = (ROOT / "roles/gpu_cleanup/defaults/main.yml").read_text()
+    assert re.search(
+        r"""^gpu_cleanup_unit: "\{\{ 'restart_backoff\.DEFAULT_UNIT' \| target_constant \}\}"$""",
+        defaults,
+        re.M,
+    )
+    assert unit not in (ROOT / "roles/gpu_cleanup/meta/argument_specs.yml").read_text()
+
+
+def test_the_controller_reads_the_trainers_length_block(monkeypatch):
+    from eagle3 import config
+
+    role_inputs = _load("plugins/filter/role_inputs.py", "contract_role_inputs")
+    constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
+    assert constants.trainer_constant("config.SEQ_BLOCK") == config.SEQ_BLOCK
+    assert role_inputs.trainer() is config
+    assert (
+        role_inputs.role_input_errors({"eagle3_train_max_seq_len": str(config.SEQ_BLOCK * 3)}, "eagle3_train")
+        == []
+    )
+
+    # The filters follow the trainer's declaration: nothing on the controller side states the block itself.
+    block = config.SEQ_BLOCK * 2
+    monkeypatch.setattr(config, "SEQ_BLOCK", block)
+    assert constants.trainer_constant("config.SEQ_BLOCK") == block
+    errors = role_inputs.role_input_errors({"eagle3_train_max_seq_len": str(block * 3 // 2)}, "eagle3_train")
+    assert len(errors) == 1 and f"is not a multiple of {block} (the flex_attention block size)" in errors[0]
+
+    plan = (ROOT / "roles/eagle3_train/tasks/plan.yml").read_text()
+    assert "'eagle3_train__msl_chosen': 'config.SEQ_BLOCK' | trainer_constant" in plan
+    assert not re.search(r"msl_chosen'?: *128\b", plan)

@@ -28,6 +28,12 @@ ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 spec = importlib.util.spec_from_file_location("role_inputs", ROOT / "plugins" / "filter" / "role_inputs.py")
 ri = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ri)
+# The grammar of kinds and the quoting filters (role_inputs.py checks a role's variables with them).
+spec = importlib.util.spec_from_file_location(
+    "input_grammar", ROOT / "plugins" / "filter" / "input_grammar.py"
+)
+grammar = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(grammar)
 
 # The roles of the six playbooks (status.yml's own variables are the "status" table).
 ROLES = ["eagle3_train", "gpu_cleanup", "run_lock", "ct_running", "local_ct", "pve_gpu_host", "pve_gpu_container",
@@ -50,7 +56,7 @@ HOSTILE = [
 # Kinds whose values are data, never a path, name or command: what they may hold is anything printable on one line,
 # and where they land (argv entries, module parameters, quoted env values, a JSON record, no_log) keeps them inert.
 INERT = {"text", "argv_item", "secret", "controller_path", "regex", "trainer_config", "raw"}
-STRINGISH = {"list", "dict"} | set(ri.KINDS)
+STRINGISH = {"list", "dict"} | set(grammar.KINDS)
 PATH_KINDS = {"abspath", "path_glob", "command", "bind_pair"}
 
 
@@ -117,7 +123,7 @@ def test_each_hostile_string_is_refused_or_inert(role, name, entry):
 def test_an_accepted_path_is_absolute_normalised_and_one_inert_word(text):
     """Whatever the text, the path grammar accepts it only if a shell and systemd see exactly one plain word."""
     path = text if text.startswith("/") else "/" + text
-    if ri.path_problem(path) is not None:
+    if grammar.path_problem(path) is not None:
         return
     assert posixpath.normpath(path) == path or path == "/"
     assert path.isascii() and not any(c.isspace() for c in path)
@@ -129,7 +135,7 @@ def test_an_accepted_path_is_absolute_normalised_and_one_inert_word(text):
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs")), max_size=200))
 @settings(max_examples=300, deadline=None)
 def test_systemd_quoting_makes_one_argument_with_no_specifier_or_variable(text):
-    quoted = ri.systemd_arg(text)
+    quoted = grammar.systemd_arg(text)
     assert quoted.startswith('"') and quoted.endswith('"')
     inner = quoted[1:-1]
     # Every % and $ is doubled, every " and \ escaped: unescaping gives the text back.
@@ -152,7 +158,7 @@ def test_systemd_quoting_makes_one_argument_with_no_specifier_or_variable(text):
 
 
 def test_a_control_character_never_reaches_a_unit_or_environment_file():
-    for quote in (ri.systemd_arg, ri.systemd_path, ri.env_file_value):
+    for quote in (grammar.systemd_arg, grammar.systemd_path, grammar.env_file_value):
         with pytest.raises(ValueError, match="control character"):
             quote("ok\nExecStartPre=/bin/sh")
 

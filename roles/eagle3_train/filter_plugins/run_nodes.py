@@ -39,6 +39,45 @@ def _rank(setting, nodes: list[str], host: str) -> int | None:
         return None
 
 
+def _multinode_problems(nodes: list[str], reports: dict) -> list[str]:
+    """Per node of a run of several: its own reachable address and state folder, the run's shared settings."""
+    n = len(nodes)
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for h in nodes:
+        rep = reports.get(h)
+        if rep is None:
+            continue
+        addr = str(rep.get("addr", "")).strip()
+        if not addr or is_loopback(addr):
+            problems.append(
+                f"{h}: eagle3_train_node_addr={addr or '(empty)'} is a loopback address; with {n} nodes each needs "
+                "an address the others reach"
+            )
+        elif addr in seen:
+            problems.append(
+                f"{h}: eagle3_train_node_addr={addr} is also {seen[addr]}'s; each node needs its own"
+            )
+        else:
+            seen[addr] = h
+        if rep.get("state_dir") == rep.get("run_dir"):
+            problems.append(
+                f"{h}: eagle3_train_state_dir={rep.get('state_dir')} is the shared run folder (eagle3_train_run_dir); "
+                f"with {n} nodes each needs a folder of its own"
+            )
+        for key, var in (
+            ("run_dir", "eagle3_train_run_dir"),
+            ("port", "eagle3_train_rdzv_port"),
+            ("run_id", "eagle3_train_run_id"),
+        ):
+            first = reports.get(nodes[0], {}).get(key)
+            if h != nodes[0] and nodes[0] in reports and str(rep.get(key)) != str(first):
+                problems.append(
+                    f"{h}: {var}={rep.get(key)} differs from {nodes[0]}'s {first}; every node of a run needs the same"
+                )
+    return problems
+
+
 def run_nodes(nodes: list, play_hosts: list, reports: dict, host: str) -> dict:
     """The run as `host` must see it: ranks, rendezvous node and endpoint, and every problem.
 
@@ -100,38 +139,7 @@ def run_nodes(nodes: list, play_hosts: list, reports: dict, host: str) -> dict:
             )
     rdzv_node = next((h for h, r in ranks.items() if r == 0), None)
     if n > 1:
-        seen: dict[str, str] = {}
-        for h in nodes:
-            rep = reports.get(h)
-            if rep is None:
-                continue
-            addr = str(rep.get("addr", "")).strip()
-            if not addr or is_loopback(addr):
-                errors.append(
-                    f"{h}: eagle3_train_node_addr={addr or '(empty)'} is a loopback address; with {n} nodes each needs "
-                    "an address the others reach"
-                )
-            elif addr in seen:
-                errors.append(
-                    f"{h}: eagle3_train_node_addr={addr} is also {seen[addr]}'s; each node needs its own"
-                )
-            else:
-                seen[addr] = h
-            if rep.get("state_dir") == rep.get("run_dir"):
-                errors.append(
-                    f"{h}: eagle3_train_state_dir={rep.get('state_dir')} is the shared run folder (eagle3_train_run_dir); "
-                    f"with {n} nodes each needs a folder of its own"
-                )
-            for key, var in (
-                ("run_dir", "eagle3_train_run_dir"),
-                ("port", "eagle3_train_rdzv_port"),
-                ("run_id", "eagle3_train_run_id"),
-            ):
-                first = reports.get(nodes[0], {}).get(key)
-                if h != nodes[0] and nodes[0] in reports and str(rep.get(key)) != str(first):
-                    errors.append(
-                        f"{h}: {var}={rep.get(key)} differs from {nodes[0]}'s {first}; every node of a run needs the same"
-                    )
+        errors += _multinode_problems(nodes, reports)
     if n == 1:
         endpoint = f"127.0.0.1:{(reports.get(nodes[0]) or {}).get('port', 29400)}"
     elif rdzv_node is not None:

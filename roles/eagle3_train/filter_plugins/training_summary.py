@@ -189,6 +189,21 @@ def tensorboard_lines(tensorboard: dict | None, run_dir: str, venv: str, in_targ
     ]
 
 
+def _rate_lines(s: dict) -> list[str]:
+    """A running run's step time and its split, throughput and memory, loss and ETA (from status.json)."""
+    split = s.get("time_split") or {}
+    lines = [
+        f"{_f(s.get('step_time_s'), '.2f')} s/step (fetch {_f(split.get('fetch'), '.2f')}, "
+        f"fwd {_f(split.get('fwd'), '.2f')}, bwd {_f(split.get('bwd'), '.2f')}, opt {_f(split.get('opt'), '.2f')})",
+        f"{_f(s.get('tokens_per_s'), ',.0f')} tokens/s, {_f(s.get('tokens_per_s_per_rank'), ',.0f')} per worker; "
+        f"peak memory {_f(s.get('peak_mem_gb'), '.2f')} GB ({s.get('mem_kind', '?')})",
+    ]
+    if s.get("loss") is not None:
+        eta = f"; ETA {_duration(s['eta_s'])}" if s.get("eta_s") is not None else ""
+        lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
+    return lines
+
+
 def training_summary(
     report: dict | None,
     gpus: list | None,
@@ -250,18 +265,7 @@ def training_summary(
             f"{_f(s.get('step_time_s'), '.2f')} s/step)"
         )
     elif state == "running":
-        split = s.get("time_split") or {}
-        lines.append(
-            f"{_f(s.get('step_time_s'), '.2f')} s/step (fetch {_f(split.get('fetch'), '.2f')}, "
-            f"fwd {_f(split.get('fwd'), '.2f')}, bwd {_f(split.get('bwd'), '.2f')}, opt {_f(split.get('opt'), '.2f')})"
-        )
-        lines.append(
-            f"{_f(s.get('tokens_per_s'), ',.0f')} tokens/s, {_f(s.get('tokens_per_s_per_rank'), ',.0f')} per worker; "
-            f"peak memory {_f(s.get('peak_mem_gb'), '.2f')} GB ({s.get('mem_kind', '?')})"
-        )
-        if s.get("loss") is not None:
-            eta = f"; ETA {_duration(s['eta_s'])}" if s.get("eta_s") is not None else ""
-            lines.append(f"loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}{eta}")
+        lines.extend(_rate_lines(s))
     elif s.get("loss") is not None:
         lines.append(f"last loss {_f(s['loss'], '.4f')}, full_acc_0 {_f(s.get('full_acc_0'), '.3f')}")
     nodes = s.get("nodes") or []

@@ -1,0 +1,105 @@
+# Copyright: eagle3-pve contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""What plan.yml asks the memory planner: the memory per worker it assumes (and where that figure comes from), and
+the planner's command line.
+
+``plan_memory``: eagle3_train_plan_memory_gb when it is above 0, else the smallest GPU's total memory, else
+nothing (the planner then reads the trainer config's memory_limit_gb itself; the source says so). ``plan_argv``:
+``python -m eagle3 plan --json`` with the run's layout, margin, memory, and the length to check (or --probe for
+auto on a GPU). Each filter is documented in the .yml file of the same name beside this one.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _float(value) -> float:
+    """Jinja's ``| float``: the number, or 0.0 for what is not one."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _int(value) -> int:
+    """Jinja's ``| int``: the whole number (a float's or a numeric string's), or 0."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        try:
+            return int(float(value))
+        except (TypeError, ValueError):
+            return 0
+
+
+def plan_memory(
+    configured_gb, gpus: list | None, config: dict | None = None, overrides: dict | None = None
+) -> dict:
+    """{gb, source}: the memory per worker (GiB) the planner is told, and where it comes from ('' when nowhere).
+
+    `configured_gb`: eagle3_train_plan_memory_gb (0: not set). `gpus`: gpu_facts' list (memory_total_mib, name).
+    `config` + `overrides`: the trainer config, whose memory_limit_gb the planner reads itself (gb stays 0).
+
+    >>> plan_memory("1.6", [{"name": "H100", "memory_total_mib": 81559}])
+    {'gb': 1.6, 'source': 'eagle3_train_plan_memory_gb'}
+    >>> plan_memory(0, [{"name": "A", "memory_total_mib": 97887}, {"name": "B", "memory_total_mib": 81559}])
+    {'gb': 79.64, 'source': 'the smallest GPU (B, 81559 MiB)'}
+    >>> plan_memory(0, [], {"memory_limit_gb": 2}, {})
+    {'gb': 0, 'source': 'memory_limit_gb of the trainer config'}
+    >>> plan_memory(0, [{"memory_total_mib": 0}], {}, {})
+    {'gb': 0, 'source': ''}
+    """
+    if _float(configured_gb) > 0:
+        return {"gb": _float(configured_gb), "source": "eagle3_train_plan_memory_gb"}
+    with_memory = sorted(
+        (g for g in gpus or [] if g.get("memory_total_mib")), key=lambda g: g["memory_total_mib"]
+    )
+    if with_memory:
+        smallest = with_memory[0]
+        return {
+            "gb": math.floor(smallest["memory_total_mib"] / 1024 * 100) / 100,
+            "source": f"the smallest GPU ({smallest.get('name', 'GPU')}, {_int(smallest['memory_total_mib'])} MiB)",
+        }
+    limit = _float({**(config or {}), **(overrides or {})}.get("memory_limit_gb", 0))
+    return {"gb": 0, "source": "memory_limit_gb of the trainer config" if limit > 0 else ""}
+
+
+def plan_argv(
+    python: str, world_size, nnodes, nproc, margin, memory_gb, msl, gpus: list | None = None
+) -> list:
+    """The planner's argv: the trainer config comes on stdin; the length to check, or --probe for auto on a GPU.
+
+    >>> plan_argv("/v/bin/python", 2, 1, 2, 0.1, 1.6, "16384")  # doctest: +NORMALIZE_WHITESPACE
+    ['/v/bin/python', '-m', 'eagle3', 'plan', '--json', '--config', '/dev/stdin', '--world-size', '2',
+     '--margin', '0.1', '--memory-gb', '1.6', '--lengths', '16384']
+    >>> plan_argv("/v/bin/python", 4, 2, 2, 0.1, 0, "auto", [{"index": 0}])[7:]
+    ['--world-size', '4', '--nnodes', '2', '--nproc-per-node', '2', '--margin', '0.1', '--probe']
+    """
+    argv = [
+        python,
+        "-m",
+        "eagle3",
+        "plan",
+        "--json",
+        "--config",
+        "/dev/stdin",
+        "--world-size",
+        str(world_size),
+    ]
+    # Several nodes with the same worker count each: the planner shards as the run does (per node, then across).
+    if _int(nnodes) > 1 and _int(world_size) == _int(nnodes) * _int(nproc):
+        argv += ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+    argv += ["--margin", str(margin)]
+    if _float(memory_gb) > 0:
+        argv += ["--memory-gb", str(memory_gb)]
+    if msl != "auto":
+        argv += ["--lengths", msl]
+    elif gpus:
+        argv += ["--probe"]
+    return argv
+
+
+class FilterModule:
+    def filters(self):
+        return {"plan_memory": plan_memory, "plan_argv": plan_argv}
