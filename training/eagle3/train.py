@@ -121,17 +121,16 @@ def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
     >>> split_config_arg(["--lr=1e-4", "--config=t.yaml"])
     ('t.yaml', ['--lr=1e-4'])
     """
-    config_path, rest = None, []
-    args = iter(argv)
-    for arg in args:
-        if arg == "--config":
-            config_path = next(args, None)
-            if config_path is None:
-                rest.append(arg)  # a flag without its value: the config loader names it
+    config_path, rest, value_of_config = None, [], False
+    for i, arg in enumerate(argv):
+        if value_of_config:
+            value_of_config = False
+        elif arg == "--config" and i + 1 < len(argv):
+            config_path, value_of_config = argv[i + 1], True
         elif arg.startswith("--config="):
             config_path = arg.split("=", 1)[1]
         else:
-            rest.append(arg)
+            rest.append(arg)  # an override, or a --config without its value: the config loader names it
     return config_path, rest
 
 
