@@ -51,7 +51,14 @@ def test_the_unit_never_restarts_exactly_the_exits_a_restart_cannot_fix():
     template = (ROOT / "roles/eagle3_train/templates/eagle3-train.service.j2").read_text()
     line = re.search(r"^RestartPreventExitStatus=(.*)$", template, re.M)
     assert line, "the unit template lost RestartPreventExitStatus="
-    assert sorted(int(v) for v in line.group(1).split()) == sorted(train_status.NO_RESTART_EXITS)
+    # the unit reads the declaration the modules read (module_utils/train_status.py), not a copy of it
+    assert line.group(1) == "{{ 'train_status.NO_RESTART_EXITS' | target_constant | join(' ') }}"
+    declared_constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
+    rendered = " ".join(map(str, declared_constants.target_constant("train_status.NO_RESTART_EXITS")))
+    assert sorted(int(v) for v in rendered.split()) == sorted(train_status.NO_RESTART_EXITS)
+    datagen = (ROOT / "roles/eagle3_datagen/templates/eagle3-datagen.service.j2").read_text()
+    assert "RestartPreventExitStatus={{ 'errors.EXIT_CONFIG' | trainer_constant }}" in datagen
+    assert declared_constants.trainer_constant("errors.EXIT_CONFIG") == errors.EXIT_CONFIG
     # A hang or a crash must restart (from the last checkpoint): never in the list.
     assert (
         errors.EXIT_HANG not in train_status.NO_RESTART_EXITS

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.errors import DataError
+from eagle3.files import atomic_write_text
 from eagle3.shardfile import ShardFile, TensorEntry, load_tensors, open_shard
 
 FORMAT_NAME = "eagle3-native"
@@ -553,9 +554,7 @@ class DatasetWriter:
             "shards": self.shards,
         }
         path = self.root / INDEX_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(meta, indent=1) + "\n")
         return path
 
 

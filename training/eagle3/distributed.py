@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3.errors import ConfigError
+from eagle3.files import atomic_write_text
 from eagle3.options import GLIBC_MMAP_CEILING, device_type
 
 ALLOC_CONF = "expandable_segments:True"
@@ -269,12 +270,7 @@ def check_shared_run_dir(run_dir: str, info: DistInfo, wait_s: float = SHARED_WA
     nonce = None
     if info.is_main:
         nonce = secrets.token_hex(16)
-        tmp = marker.with_name(f"{SHARED_MARKER}.{nonce}.tmp")
-        with open(tmp, "w") as f:
-            f.write(nonce)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, marker)
+        atomic_write_text(marker, nonce)
     # Also the barrier: the marker exists before anyone looks. Rank 0's node is node 0 under torchrun.
     nonce, writer = broadcast_object((nonce, info.node_rank), info)
     saw = None

@@ -24,8 +24,10 @@ from safetensors.torch import load_file, save_file
 
 from eagle3 import __version__
 from eagle3.errors import ConfigError, DataError
-from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.model import Eagle3Drafter
+from eagle3.options import TTT_STEPS
 from eagle3.rope import normalize_rope_scaling
+from eagle3.spec import DrafterConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -35,7 +37,7 @@ def exported_names(cfg: DrafterConfig, include_embed_tokens: bool) -> list[str]:
     """Tensor names in model.safetensors, speculators spelling. The teacher (the target's frozen final norm and
     head rows, kept in the drafter for the loss) is never exported.
 
-    >>> from eagle3.model import DrafterConfig
+    >>> from eagle3.spec import DrafterConfig
     >>> names = exported_names(DrafterConfig(64, 4, 16, 128, 512, 1024, (1, 2, 3)), False)
     >>> names[:3], names[-4:]
     (['fc.weight', 'layers.0.self_attn.q_proj.weight', 'layers.0.self_attn.k_proj.weight'], ['norm.weight', 'lm_head.weight', 'd2t', 't2d'])
@@ -128,7 +130,7 @@ def export_speculators(
     out_dir: str | os.PathLike,
     *,
     cfg: DrafterConfig | None = None,
-    speculative_tokens: int = 5,
+    speculative_tokens: int = TTT_STEPS,
     verifier_name_or_path: str | None = None,
     verifier_architectures: list[str] | tuple[str, ...] = (),
     dtype: torch.dtype = torch.bfloat16,

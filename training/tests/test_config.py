@@ -165,3 +165,18 @@ def test_update_readme_rewrites_only_between_the_markers(tmp_path):
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
     assert config_help.readme_table(text) == config_help.render_markdown()
     assert config_help.update_readme(readme) is False
+
+
+def test_the_ttt_steps_default_is_declared_once():
+    """The config's default, the TTT forward's and the export's speculative tokens are eagle3.options.TTT_STEPS."""
+    import inspect
+
+    from eagle3 import export, model, options
+
+    assert config.SPECS["ttt_steps"].default is options.TTT_STEPS
+    for fn, name in (
+        (model.ttt_forward, "ttt_steps"),
+        (model.Eagle3Drafter.forward, "ttt_steps"),
+        (export.export_speculators, "speculative_tokens"),
+    ):
+        assert inspect.signature(fn).parameters[name].default is options.TTT_STEPS, fn.__qualname__

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from eagle3.config import SEQ_BLOCK
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
+from eagle3.options import TTT_STEPS
 from eagle3.plan.fit import Plan, budget_bytes, cpu_heap_chunk, make_plan
 from eagle3.plan.gpu_probe import ProbeUnavailable, probe
 from eagle3.plan.model import DEFAULT_LENGTHS, GIB
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-heads", type=int, default=None, metavar="INT",
                    help="key/value heads, grouped-query attention (default: the config's, else num-heads)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=None, metavar="INT",
-                   help="TTT steps (default: the config's, else 5)")  # fmt: skip
+                   help=f"TTT steps (default: the config's, else {TTT_STEPS})")  # fmt: skip
     p.add_argument("--world-size", type=int, default=None, metavar="INT",
                    help="ranks (GPUs) in the run (default: nnodes x nproc-per-node, else 1)")  # fmt: skip
     p.add_argument("--nnodes", type=int, default=1, metavar="INT", help="nodes (torchrun agents) in the run")

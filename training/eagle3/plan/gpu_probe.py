@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from eagle3.files import atomic_write_json
 from eagle3.plan.fit import budget_bytes, largest_fitting
 from eagle3.plan.model import GIB, batch_bytes, dynamic_bytes, static_bytes
 from eagle3.spec import RunSpec
@@ -145,10 +146,7 @@ def probe(
         "cache_file": str(path),
     }
     if not from_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**result, "created": time.time()}, indent=1))
-        os.replace(tmp, path)
+        atomic_write_json(path, {**result, "created": time.time()})
     return result
 
 
