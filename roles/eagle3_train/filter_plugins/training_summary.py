@@ -6,6 +6,9 @@ training_summary.yml and run_summary.yml beside this file."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 
 def _f(value, fmt: str, default: str = "?") -> str:
     try:
@@ -207,7 +210,7 @@ def _rate_lines(s: dict) -> list[str]:
 def training_summary(
     report: dict | None,
     gpus: list | None,
-    unit_name: str = "eagle3-train.service",
+    unit_name: str | None = None,
     now=None,
     run_dir: str = "",
     venv: str = "",
@@ -230,6 +233,7 @@ def training_summary(
     >>> training_summary(report, [], now=1075)[:3]
     ['state: failed (unit failed (result exit-code)); eagle3-train.service active (running), restarts 0; 2 workers, max_seq_len 16384', 'reason: oom: CUDA out of memory', 'step 12 (epoch 0), resumed from step 10; last checkpoint step 10 (1m15s ago)']
     """
+    unit_name = unit_name or default_unit()
     import time
 
     now = time.time() if now is None else now
@@ -338,3 +342,13 @@ class FilterModule:
             "run_summary": run_summary,
             "stopped_summary": stopped_summary,
         }
+
+
+def default_unit() -> str:
+    """The training unit's name where it is declared (module_utils/restart_backoff.py DEFAULT_UNIT, through the
+    target_constant filter's reader): the role passes gpu_cleanup_unit, which is that name unless overridden."""
+    path = Path(__file__).resolve().parents[3] / "plugins" / "filter" / "declared_constants.py"
+    spec = importlib.util.spec_from_file_location("_eagle3_summary_declared_constants", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.target_constant("restart_backoff.DEFAULT_UNIT")
