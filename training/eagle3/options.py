@@ -1,8 +1,8 @@
 """Run options, resolved once: the user's config plus the device -> what a run actually does.
 
 The config may say `auto`; what that means on a device, and which combinations cannot run, is decided here and
-nowhere else. The trainer (eagle3.train), the memory planner (eagle3.plan) and the benches (bench/) all call
-`resolve_options`, so the run the planner sizes is the run the trainer makes.
+nowhere else. eagle3.spec.resolve_spec calls `resolve_options` for the trainer, the memory planner and the benches,
+so the run the planner sizes is the run the trainer makes.
 
     device     auto -> cuda when torch sees a GPU, else cpu
     dtype      auto -> bf16 autocast on CUDA, none (fp32) on CPU; bf16 / fp32 as written
@@ -90,8 +90,8 @@ def checkpoint_mode(value) -> str:
 
     false / none / off: nothing recomputed. selective: each decoder step keeps its matmul outputs and recomputes
     the cheap work between them (norms, RoPE, SiLU, the attention's blockwise forward). full: each step keeps only
-    its inputs and outputs and recomputes its whole forward. true means full, as it always has: the planner's
-    memory figures for `activation_checkpointing: true` stay what they were (selective keeps more per token).
+    its inputs and outputs and recomputes its whole forward. true means full, the leanest: a config that only
+    says "checkpoint" gets the mode that holds least (selective keeps more per token, and is faster).
 
     >>> [checkpoint_mode(v) for v in (False, True, "false", "true", "selective", "full", "none")]
     ['none', 'full', 'none', 'full', 'selective', 'full', 'none']
