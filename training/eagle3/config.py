@@ -536,19 +536,30 @@ def load_config(config_path: str | None, argv: list[str]) -> TrainConfig:
     return build_config(file_values, parse_overrides(argv))
 
 
+def check_key(key: str, value: object) -> None:
+    """One key's value against its declared choices and bound (also for code that takes the value as an argument,
+    such as eagle3.model.ttt_forward's ttt_steps). Raises ConfigError with the key, the value and the fix.
+
+    >>> check_key("ttt_steps", 0)
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: ttt_steps=0 must be at least 1
+    """
+    spec = SPECS[key]
+    if spec.choices and value not in spec.choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(spec.choices)}")
+    if spec.bound is not None and not spec.bound.holds(value):
+        message = (
+            f"{key} {spec.bound.says}" if spec.bound is REQUIRED else f"{key}={value!r} {spec.bound.says}"
+        )
+        fix = spec.fix_for(value)
+        raise ConfigError(f"{message}; {fix}" if fix else message)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no data, from the declaration. Raises ConfigError with the key, the value and the fix."""
     for spec in SPECS.values():
-        value = getattr(cfg, spec.name)
-        if spec.choices and value not in spec.choices:
-            raise ConfigError(f"{spec.name}={value!r} is not one of {', '.join(spec.choices)}")
-        if spec.bound is not None and not spec.bound.holds(value):
-            if spec.bound is REQUIRED:
-                message = f"{spec.name} {spec.bound.says}"
-            else:
-                message = f"{spec.name}={value!r} {spec.bound.says}"
-            fix = spec.fix_for(value)
-            raise ConfigError(f"{message}; {fix}" if fix else message)
+        check_key(spec.name, getattr(cfg, spec.name))
     check_attention(cfg.attention, cfg.device)  # device: cpu written out; auto is checked once resolved
     if cfg.rope_scaling:
         normalize_rope_scaling(cfg.rope_scaling, "rope_scaling")

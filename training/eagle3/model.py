@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from eagle3.attention import TTTAttention
+from eagle3.config import check_key
 from eagle3.errors import ConfigError, DataError
 from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
 from eagle3.options import TTT_STEPS, checkpoint_mode
@@ -408,8 +409,7 @@ def _ttt_loss(
     and shared by every TTT step whose supervised slots fall in it (step k's slot j reads target slot j+1+k), so
     the target side costs one pass over the row whatever the chunk size, and no fp32 [positions, V] tensor
     outlives its chunk. loss_chunk_size 0: one chunk of the whole row."""
-    if ttt_steps < 1:
-        raise ConfigError(f"ttt_steps={ttt_steps} must be at least 1 (default {TTT_STEPS})")
+    check_key("ttt_steps", ttt_steps)  # the config's own bound: one declaration
     seq_len = check_batch(model.cfg, batch)
     device = model.fc.weight.device
     batch = {k: v.to(device) for k, v in batch.items()}
