@@ -224,6 +224,15 @@ class TrainConfig:
     norm_before_residual: bool = option(
         False, "the decoder layer's residual is the normed hidden half (vLLM assumes true when absent)"
     )
+    # Multi-head latent attention (DeepSeek-V3's, for Kimi/DeepSeek targets): kv_lora_rank > 0 selects it.
+    kv_lora_rank: int = option(0, "MLA latent width; 0: Llama-style q/k/v attention", bound=NON_NEGATIVE)
+    q_lora_rank: int = option(
+        0, "MLA low-rank query width; 0: queries projected directly", bound=NON_NEGATIVE
+    )
+    qk_nope_head_dim: int = option(0, "MLA query/key dimensions per head without rope", bound=NON_NEGATIVE)
+    qk_rope_head_dim: int = option(0, "MLA query/key dimensions per head that rope turns", bound=NON_NEGATIVE)
+    v_head_dim: int = option(0, "MLA value dimensions per head", bound=NON_NEGATIVE)
+    rope_interleave: bool = option(True, "MLA: the rotary pairs are adjacent dimensions (DeepSeek's weights)")
     # The verifier's rotary embedding and norm epsilon (a drafter is served with the verifier's positions).
     rope_theta: float = option(
         0.0, "rotary base; 0: the dataset's target config (`eagle3 generate` records it), else 10000",

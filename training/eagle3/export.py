@@ -125,6 +125,17 @@ def speculators_config(
     }
 
 
+def refuse_mla(cfg: DrafterConfig) -> None:
+    """An MLA drafter has no export or import here yet: speculators' format has no MLA layer, and vLLM's EAGLE-3
+    DeepSeek layout (deepseek_eagle3) is not written by this version."""
+    if cfg.mla is not None:
+        raise ConfigError(
+            f"kv_lora_rank={cfg.kv_lora_rank}: a drafter with multi-head latent attention cannot be exported or "
+            "initialised from an export yet (speculators' format has no MLA layer; vLLM's deepseek_eagle3 layout is "
+            "not written by this version); its checkpoints resume training"
+        )
+
+
 def export_speculators(
     model_or_state: Eagle3Drafter | dict[str, torch.Tensor],
     out_dir: str | os.PathLike,
@@ -151,6 +162,7 @@ def export_speculators(
             raise ConfigError("export_speculators got a state_dict without cfg; pass cfg=DrafterConfig(...)")
         state = dict(model_or_state)
     cfg.validate()
+    refuse_mla(cfg)
     if not verifier_name_or_path or not verifier_architectures:
         raise ConfigError(
             f"export needs the verifier: verifier_name_or_path={verifier_name_or_path!r}, "
@@ -412,6 +424,7 @@ def init_from_export(model: Eagle3Drafter, src_dir: str | os.PathLike) -> list[s
     train_lm_head) and the same vocab mapping (d2t, t2d) as the run's dataset; ConfigError / DataError name what
     differs. The embedding stays the dataset target's (frozen); lm_head is the export's.
     """
+    refuse_mla(model.cfg)
     src = Path(src_dir)
     cfg, weights_path = read_export_config(
         src, prefix="init_from: ", missing="point init_from at an `eagle3 export` directory"

@@ -40,6 +40,7 @@ from eagle3.attention import TTTAttention
 from eagle3.config import check_key
 from eagle3.errors import ConfigError, DataError
 from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
+from eagle3.mla import MLAAttention, softmax_scale
 from eagle3.options import TTT_STEPS, checkpoint_mode
 from eagle3.rope import rope_cos_sin
 from eagle3.spec import DrafterConfig
@@ -114,7 +115,13 @@ class Eagle3DecoderLayer(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.norm_before_residual = cfg.norm_before_residual
-        self.self_attn = Eagle3Attention(cfg)
+        self.mla = cfg.mla
+        if self.mla is None:
+            self.self_attn = Eagle3Attention(cfg)
+        else:  # multi-head latent attention (eagle3.mla): DeepSeek-V3's, as vLLM's deepseek_eagle3 serves it
+            self.self_attn = MLAAttention(2 * cfg.hidden_size, cfg.hidden_size, self.mla, RMSNorm, cfg.rms_norm_eps,
+                                          cfg.rope_interleave)  # fmt: skip
+            self.mla_scale = softmax_scale(self.mla, cfg.rope_scaling)
         self.mlp = Eagle3MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -130,6 +137,12 @@ class Eagle3DecoderLayer(nn.Module):
         normed = self.hidden_norm(hidden)  # [S, H]
         residual = normed if self.norm_before_residual else hidden  # vLLM llama_eagle3 _norm_before_residual
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [S, 2H]
+        if self.mla is not None:  # one latent per step is the key and the value of every head
+            x = x.to(self.self_attn.kv_a_proj_with_mqa.weight.dtype)
+            out, latent = self.self_attn(x, cos, sin, past_keys, attention, self.mla_scale)
+            hidden = residual + out  # [S, H]
+            hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+            return hidden, latent, latent
         x = x.to(self.self_attn.q_proj.weight.dtype)
 
         def heads(t, n):
@@ -352,8 +365,8 @@ class Eagle3Drafter(nn.Module):
                 hidden = self.norm(hidden)
             token_ids = shift_tokens(input_ids, step + 1)  # [S]
             cos, sin = rope_cos_sin(
-                base_positions + step, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling
-            )  # [S, hd]
+                base_positions + step, self.cfg.rope_dim, self.cfg.rope_theta, self.cfg.rope_scaling
+            )  # [S, rotary dims]
             args = (hidden, token_ids, cos, sin, list(keys), list(values), attn)
             if mode != "none" and torch.is_grad_enabled():
                 if mode == "selective":

@@ -118,7 +118,9 @@ def normalize_rope_scaling(scaling: object, where: str = "rope_scaling") -> dict
     return out
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 without scaling): cos and sin carry it, and an
+    MLA layer's softmax scale its square when mscale_all_dim is given (eagle3.mla.softmax_scale)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -178,9 +180,9 @@ def inv_freq_and_scale(
     if attention is None:
         mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
         if mscale and mscale_all:
-            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
         else:
-            attention = _yarn_mscale(factor)
+            attention = yarn_mscale(factor)
     return inv_freq, float(attention)
 
 

@@ -35,6 +35,59 @@ SHAPE_KEYS = (
 )
 
 
+# The trainer config keys of multi-head latent attention, DrafterConfig fields of the same names.
+MLA_KEYS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+)
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """The MLA dimensions of DeepSeek-V3's config.json (q_lora_rank 0: queries projected directly, no low rank).
+
+    >>> MLAShape(128, 1536, 512, 128, 64, 128).qk_head_dim
+    192
+    >>> MLAShape(128, 1536, 512, 128, 64, 128).latent_dim  # what a TTT step keeps per token, for all 128 heads
+    576
+    """
+
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Per token and TTT step: the latent and the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def validate(self) -> None:
+        """ConfigError naming the field that cannot make an MLA layer."""
+        for key in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key}={value!r} must be a positive integer")
+        if (
+            isinstance(self.q_lora_rank, bool)
+            or not isinstance(self.q_lora_rank, int)
+            or self.q_lora_rank < 0
+        ):
+            raise ConfigError(f"q_lora_rank={self.q_lora_rank!r} must be 0 (no low-rank query) or positive")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+
+
 @dataclass
 class DrafterConfig:
     """Shape of the drafter. `aux_layer_ids` are the 3 target layers whose hidden states feed `fc`."""
@@ -63,6 +116,15 @@ class DrafterConfig:
     norm_before_residual: bool = False
     # speculators keeps lm_head frozen at the target's rows (docs/facts.md#eagle-3-drafter counts it as frozen).
     train_lm_head: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3, eagle3.mla) in place of q/k/v/o: kv_lora_rank > 0 selects it,
+    # with num_heads heads of qk_nope_head_dim + qk_rope_head_dim (queries, keys) and v_head_dim (values); q_lora_rank
+    # 0: queries projected directly. rope_interleave: the rotary pairs are adjacent (DeepSeek's weights).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -137,6 +199,19 @@ class DrafterConfig:
         return cfg
 
     @property
+    def mla(self) -> MLAShape | None:
+        """The MLA dimensions, or None for the Llama-style q/k/v attention."""
+        if not self.kv_lora_rank:
+            return None
+        return MLAShape(self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
+                        self.qk_rope_head_dim, self.v_head_dim)  # fmt: skip
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions the rotary embedding turns: the head's (Llama-style), or MLA's decoupled qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
+
+    @property
     def attention_dim(self) -> int:
         """Width of the queries and of the attention output (q_proj, o_proj)."""
         return self.num_heads * self.head_dim
@@ -152,14 +227,40 @@ class DrafterConfig:
         >>> SHAPES["kimi-k2.5"].linear_params()  # docs/facts.md#eagle-3-drafter: ~756 M trainable
         756023296
         """
-        h, a, i, kv = self.hidden_size, self.attention_dim, self.intermediate_size, self.kv_dim
-        n = 3 * h * h + 2 * h * a + 2 * (2 * h * kv) + a * h + 3 * h * i
+        h, i = self.hidden_size, self.intermediate_size
+        n = 3 * h * h + self.attention_params() + 3 * h * i
         return n + (h * self.draft_vocab_size if self.train_lm_head else 0)
+
+    def attention_params(self) -> int:
+        """The attention's Linear weights: q/k/v/o; or MLA's q_a/q_b (or q_proj), kv_a, kv_b and o (over 2H input).
+
+        >>> DrafterConfig(64, 4, 16, 128, 512, 1024).attention_params() == 2 * 64 * 64 * 3 + 64 * 64
+        True
+        >>> mla = DrafterConfig(64, 4, 16, 128, 512, 1024, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        ...                     qk_rope_head_dim=8, v_head_dim=12)
+        >>> mla.attention_params() == 128 * 24 + 24 * 4 * 16 + 128 * (16 + 8) + 16 * 4 * (8 + 12) + 4 * 12 * 64
+        True
+        """
+        h, m = self.hidden_size, self.mla
+        if m is None:
+            a, kv = self.attention_dim, self.kv_dim
+            return 2 * h * a + 2 * (2 * h * kv) + a * h
+        heads = m.num_heads
+        q = (
+            2 * h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
+            if m.q_lora_rank
+            else 2 * h * heads * m.qk_head_dim
+        )
+        kv = 2 * h * m.latent_dim + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + heads * m.v_head_dim * h
 
     def trainable_params(self) -> int:
         """Linear weights plus the trainable RMSNorm weights (input/hidden/post-attention/final, input_norm over 3H)."""
-        h = self.hidden_size
-        return self.linear_params() + 4 * h + (3 * h if self.norm_before_fc or self.fc_norm else 0)
+        h, m = self.hidden_size, self.mla
+        mla_norms = (m.q_lora_rank + m.kv_lora_rank) if m else 0  # q_a_layernorm, kv_a_layernorm
+        return (
+            self.linear_params() + 4 * h + (3 * h if self.norm_before_fc or self.fc_norm else 0) + mla_norms
+        )
 
     def frozen_params(self, keep_full_head: bool = True) -> int:
         """Embedding, verifier norm and head, the frozen lm_head and, for the true-target accuracy, the target head
@@ -188,6 +289,13 @@ class DrafterConfig:
             raise ConfigError(
                 "norm_before_fc and fc_norm are mutually exclusive (speculators refuses both): "
                 "one RMSNorm over the 3H concat, or one per aux state; set one of them"
+            )
+        if self.mla is not None:
+            self.mla.validate()
+        elif self.q_lora_rank or self.qk_nope_head_dim or self.qk_rope_head_dim or self.v_head_dim:
+            raise ConfigError(
+                "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim shape multi-head latent attention, "
+                "which kv_lora_rank > 0 selects: set kv_lora_rank too, or leave them 0"
             )
         if self.head_dim % 2:
             raise ConfigError(
@@ -261,6 +369,7 @@ def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
         fc_norm=cfg.fc_norm,
         norm_output=cfg.norm_output,
         norm_before_residual=cfg.norm_before_residual,
+        **{key: getattr(cfg, key) for key in MLA_KEYS},
         **verifier_settings(cfg, index.meta),
     )
 

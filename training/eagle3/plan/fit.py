@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from eagle3 import options
 from eagle3.config import SEQ_BLOCK  # flex_attention block size; rows are padded to a multiple of it
 from eagle3.errors import ConfigError
-from eagle3.plan.model import DEFAULT_LENGTHS, GIB, MAX_SEARCH_LEN, predict_peak_bytes, static_bytes
+from eagle3.plan.model import (
+    DEFAULT_LENGTHS,
+    GIB,
+    MAX_SEARCH_LEN,
+    predict_peak_bytes,
+    refuse_unmodelled,
+    static_bytes,
+)
 from eagle3.spec import (
     SHAPES,  # noqa: F401 (the named shapes of the examples below)
     DrafterConfig,
@@ -123,6 +130,7 @@ def make_plan(
 ) -> Plan:
     """The table for `lengths` and the largest fitting length. Raises ConfigError when the budget is below the
     static footprint or no length fits (the message carries the figures and what to change)."""
+    refuse_unmodelled(spec)
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"margin={margin} must be in [0, 1), for example 0.1 (keep 10 % free)")
     if memory_gb <= 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from eagle3.errors import ConfigError
 from eagle3.spec import (
     FP32,
     SHAPES,  # noqa: F401 (the named shapes of the examples below)
@@ -45,6 +46,15 @@ def on_cuda(
     """A drafter on CUDA under trainer config keys, the trainer's defaults otherwise (bf16 autocast, flex attention,
     no checkpointing, loss chunks of 4096): the examples here use it."""
     return spec_for(drafter, world_size, nodes, data_bytes, device="cuda", **config)
+
+
+def refuse_unmodelled(spec: RunSpec) -> None:
+    """The terms below follow the Llama-style layer: an MLA drafter is refused by name, not mis-sized."""
+    if spec.drafter.mla is not None:
+        raise ConfigError(
+            f"kv_lora_rank={spec.drafter.kv_lora_rank}: the memory planner does not model multi-head latent attention "
+            "yet; give max_seq_len explicitly (the role: eagle3_train_allow_unplanned_seq_len=true)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- static
