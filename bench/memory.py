@@ -125,6 +125,27 @@ def part_b() -> None:
         print(f"      {part:10} {value}")
 
 
+def part_c() -> None:
+    """The Kimi drafter with Llama-style attention against the same drafter with DeepSeek-V3's MLA (eagle3.mla):
+    planned bytes per token, per TTT step, and the largest planned max_seq_len on 8 GPUs."""
+    print("\n(c) Kimi shape, Llama-style (kimi-k2.5) vs MLA (kimi-k2.5-mla), 8 ranks, ttt_steps 5 (planner)")
+    print(
+        f"    {'options':22} {'shape':15} {'held KiB/token':>15} {'per TTT step':>13} {'largest @96':>12} {'@141':>8}"
+    )
+    sets = {"none": {}, "checkpointing": {"activation_checkpointing": True}, "fsdp": {"fsdp": True},
+            "checkpointing + fsdp": {"activation_checkpointing": True, "fsdp": True}}  # fmt: skip
+    for label, keys in sets.items():
+        for name in ("kimi-k2.5", "kimi-k2.5-mla"):
+            spec = P.on_cuda(P.SHAPES[name], 8, **keys)
+            fewer = spec.with_run(ttt_steps=spec.run.ttt_steps - 1)
+            per_token = P.activation_bytes(spec, 2) - P.activation_bytes(spec, 1)
+            per_step = per_token - (P.activation_bytes(fewer, 2) - P.activation_bytes(fewer, 1))
+            lengths = [P.make_plan(spec, memory_gb=gb, margin=0.1).max_seq_len for gb in (96, 141)]
+            print(
+                f"    {label:22} {name:15} {per_token / KIB:15.1f} {per_step / KIB:13.1f} {lengths[0]:12} {lengths[1]:8}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=1024)
@@ -138,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_measure:
         part_a(args.seq_len, args.ttt_steps)
     part_b()
+    part_c()
     return 0
 
 

@@ -365,7 +365,8 @@ class TTTAttention:
             return exact_ttt_attention(q, keys, values, self.doc_start, self.block_size)
         step = len(keys) - 1
         k = torch.cat(list(keys), dim=1)[None]  # [1, nkv, S*(step+1), hd]
-        v = torch.cat(list(values), dim=1)[None]  # [1, nkv, S*(step+1), hd]
+        # the same list as values (MLA: the latents are keys and values): one concatenation serves both
+        v = k if values is keys else torch.cat(list(values), dim=1)[None]  # [1, nkv, S*(step+1), hd]
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[0] else {}
         with warnings.catch_warnings():
             # Eager flex on CPU (parity tests only) warns that it is unfused; that is expected there.

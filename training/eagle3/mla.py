@@ -45,7 +45,7 @@ def softmax_scale(shape: MLAShape, rope_scaling: dict | None) -> float:
     >>> yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
     ...         "mscale_all_dim": 1.0}
     >>> round(softmax_scale(MLAShape(4, 0, 32, 16, 16, 16), yarn) / 32 ** -0.5, 4)  # (0.1 ln 40 + 1)^2
-    1.7237
+    1.8739
     """
     scale = shape.qk_head_dim**-0.5
     if rope_scaling and rope_scaling.get("rope_type") == "yarn" and rope_scaling.get("mscale_all_dim"):
@@ -102,9 +102,10 @@ class MLAAttention(nn.Module):
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """This step's key for every head: [1, S, kv_lora_rank + qk_rope_head_dim] = (normed latent, rotated key)."""
-        compressed = self.kv_a_proj_with_mqa(x)  # [S, r + rope]
+        compressed = self.kv_a_proj_with_mqa(x)  # [S, r + rope], in the matmul dtype (bf16 under autocast)
         c, k_rot = compressed.split([self.shape.kv_lora_rank, self.shape.qk_rope_head_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), rotate(k_rot, cos, sin, self.interleave)], dim=-1)[None]
+        normed = self.kv_a_layernorm(c).to(compressed.dtype)  # kept in the matmul dtype, as the queries are
+        return torch.cat([normed, rotate(k_rot, cos, sin, self.interleave)], dim=-1)[None]
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's halves per head: keys' [heads, qk_nope_head_dim, r], values' [heads, v_head_dim, r]."""

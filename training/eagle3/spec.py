@@ -329,6 +329,22 @@ SHAPES = {
     "kimi-k2.5": DrafterConfig(7168, 64, 64, 18432, 32000, 163840),
     # the same drafter scaled by 1/8 in width and vocabulary: small enough to measure on a CPU (bench/memory.py).
     "kimi-k2.5-eighth": DrafterConfig(896, 8, 64, 2304, 4000, 20480),
+    # the same drafter with DeepSeek-V3's multi-head latent attention at Kimi-K2's ranks (64 heads; queries through
+    # rank 1536, keys and values through one latent of 512 plus a 64-wide rotary key; value heads of 128), the layer
+    # vLLM's deepseek_eagle3 serves; head_dim is unused by MLA.
+    "kimi-k2.5-mla": DrafterConfig(
+        7168,
+        64,
+        64,
+        18432,
+        32000,
+        163840,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    ),
     # the tests' tiny drafter (training/tests/conftest.py).
     "tiny": DrafterConfig(64, 4, 16, 128, 512, 1024),
 }

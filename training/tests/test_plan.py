@@ -32,6 +32,23 @@ SHAPES = {
     "h96-eagle31": P.DrafterConfig(96, 6, 16, 256, 768, 1536, fc_norm=True, norm_output=True),
     # the Kimi drafter scaled by 1/8: weight-sized gradients and copies weigh as much as activations here
     "kimi-eighth": P.SHAPES["kimi-k2.5-eighth"],
+    # multi-head latent attention (DeepSeek-V3's): low-rank queries, one latent per token for every head
+    "h96-mla": P.DrafterConfig(
+        96,
+        6,
+        16,
+        256,
+        768,
+        1536,
+        q_lora_rank=48,
+        kv_lora_rank=64,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+    ),
+    "h64-mla-direct-q": P.DrafterConfig(
+        64, 4, 16, 192, 512, 1024, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
+    ),
 }
 
 
@@ -64,6 +81,13 @@ CASES += [("h96", 768, "fp32", True), ("h128", 768, "bf16", False), ("kimi-eight
 # selective activation checkpointing: the step's matmul outputs held, the rest recomputed
 CASES += [("h96", 768, "fp32", "selective"), ("h128-gqa", 768, "bf16", "selective")]
 CASES += [("kimi-eighth", 512, "bf16", "selective")]
+# MLA: each checkpoint mode and both dtypes, over the two query paths (bf16 on CPU is slow: fewer of those)
+CASES += [
+    ("h96-mla", 768, "fp32", False),
+    ("h96-mla", 768, "fp32", True),
+    ("h96-mla", 768, "bf16", "selective"),
+]
+CASES += [("h64-mla-direct-q", 768, "bf16", False), ("h64-mla-direct-q", 768, "fp32", "selective")]
 
 
 @pytest.mark.parametrize(("name", "seq_len", "dtype", "ckpt"), CASES)
@@ -370,3 +394,23 @@ def test_the_plan_table_says_why_it_advises_a_loss_chunk():
     tight = P.make_plan(cuda(kimi, 8, activation_checkpointing=True, fsdp=True), memory_gb=141, margin=0.1,
                         lengths=(145280,))  # fmt: skip
     assert "loss_chunk_size=4096 fits at that length (memory needs the chunked loss)" in format_table(tight)
+
+
+def test_the_mla_drafter_is_planned_and_keeps_one_latent_per_token_and_step(capsys):
+    """MLA's TTT steps keep one latent (kv_lora_rank + qk_rope_head_dim) per token for every head instead of K and
+    V per key/value head: under checkpointing, what the steps keep per token falls (bench/memory.py part (c))."""
+    args = ["--shape", "kimi-k2.5-mla", "--world-size", "8", "--memory-gb", "96", "--activation-checkpointing",
+            "--fsdp", "--json"]  # fmt: skip
+    assert P.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["kv_lora_rank"] == 512 and out["max_seq_len"] >= 65536
+
+    def per_step(name):
+        spec = cuda(P.SHAPES[name], 8, activation_checkpointing=True, fsdp=True)
+        fewer = spec.with_run(ttt_steps=4)
+        return (P.activation_bytes(spec, 2) - P.activation_bytes(spec, 1)) - (
+            P.activation_bytes(fewer, 2) - P.activation_bytes(fewer, 1)
+        )
+
+    llama, mla = per_step("kimi-k2.5"), per_step("kimi-k2.5-mla")
+    assert llama - mla == 2 * (2 * 64 * 64 - (512 + 64))  # bf16 K and V of 64 heads x 64 against one latent

@@ -15,7 +15,6 @@ from eagle3.plan.model import (
     GIB,
     MAX_SEARCH_LEN,
     predict_peak_bytes,
-    refuse_unmodelled,
     static_bytes,
 )
 from eagle3.spec import (
@@ -130,7 +129,6 @@ def make_plan(
 ) -> Plan:
     """The table for `lengths` and the largest fitting length. Raises ConfigError when the budget is below the
     static footprint or no length fits (the message carries the figures and what to change)."""
-    refuse_unmodelled(spec)
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"margin={margin} must be in [0, 1), for example 0.1 (keep 10 % free)")
     if memory_gb <= 0:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from eagle3.errors import ConfigError
 from eagle3.spec import (
     FP32,
     SHAPES,  # noqa: F401 (the named shapes of the examples below)
@@ -46,15 +45,6 @@ def on_cuda(
     """A drafter on CUDA under trainer config keys, the trainer's defaults otherwise (bf16 autocast, flex attention,
     no checkpointing, loss chunks of 4096): the examples here use it."""
     return spec_for(drafter, world_size, nodes, data_bytes, device="cuda", **config)
-
-
-def refuse_unmodelled(spec: RunSpec) -> None:
-    """The terms below follow the Llama-style layer: an MLA drafter is refused by name, not mis-sized."""
-    if spec.drafter.mla is not None:
-        raise ConfigError(
-            f"kv_lora_rank={spec.drafter.kv_lora_rank}: the memory planner does not model multi-head latent attention "
-            "yet; give max_seq_len explicitly (the role: eagle3_train_allow_unplanned_seq_len=true)"
-        )
 
 
 # ----------------------------------------------------------------------------------------------- static
@@ -147,8 +137,7 @@ def step_held_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
     )
     lp, fb, s = spec.act_bytes, spec.frozen_bytes, seq_len
     ac = spec.run.autocast
-    # FSDP's bf16 parameters: RMSNorm weights are bf16 too, so norm outputs are bf16 and no matmul casts its input
-    casts = 3 if ac and not spec.bf16_params else 1
+    casts = input_casts(spec)
     post_out = 4 * h if not spec.bf16_params else lp * h
     terms = {
         # input_layernorm(embeds): weight * normed saves normed in the embedding dtype
@@ -161,23 +150,101 @@ def step_held_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
         "norm_post": s * (FP32 * h + lp * h + post_out),
         "mlp": s * 4 * i * lp,  # gate, up, silu(gate), silu*up
         "step_output": s * lp * h,  # the new hidden: input of the next step and of the loss chunks
-        "rope_tables": s * 2 * FP32 * spec.drafter.head_dim,  # cos, sin
+        "rope_tables": s * 2 * FP32 * spec.drafter.rope_dim,  # cos, sin
         "loss_weight": s * FP32,
         "loss_grad": s * lp * h,  # FusedKL: the gradient of the step output, made in forward (loss.py)
         "lse": s * FP32 * nh,
     }
-    kv = (
-        spec.drafter.kv_dim
-    )  # keys and values are kv_heads wide (grouped-query attention); q and the output are not
-    if spec.run.attention == "exact":
-        # q, k, v, out (k, v are also the cache of later steps)
-        terms["attention"] = s * (2 * a + 2 * kv) * lp
+    if spec.drafter.mla is not None:
+        terms |= mla_held_terms(spec, seq_len, step)
+    elif spec.run.attention == "exact":
+        # q, k, v, out (k, v are also the cache of later steps); keys and values are kv_heads wide (GQA)
+        terms["attention"] = s * (2 * a + 2 * spec.drafter.kv_dim) * lp
     else:
         # flex saves q, the K/V concatenated over steps 0..step, its output, and o_proj saves the [S, A] copy
-        terms["attention"] = s * (3 * a + 2 * (step + 1) * kv) * lp
+        terms["attention"] = s * (3 * a + 2 * (step + 1) * spec.drafter.kv_dim) * lp
     if step and spec.drafter.norm_output:
         terms["norm_output"] = norm_output_bytes(spec, seq_len)
     return terms
+
+
+def input_casts(spec: RunSpec) -> int:
+    """Copies of the [S, 2H] concat the attention's matmuls save: under autocast each casts it to bf16 for itself
+    (q, k, v; MLA: q_a or q, kv_a), otherwise they share it. FSDP's bf16 parameters: the RMSNorm weights are bf16
+    too, so the concat is bf16 already and no matmul casts it."""
+    if not spec.run.autocast or spec.bf16_params:
+        return 1
+    return 3 if spec.drafter.mla is None else 2
+
+
+def cache_width(d: DrafterConfig) -> int:
+    """Numbers per token a TTT step keeps for the later steps: its K and V (kv_heads wide), or MLA's one latent."""
+    return d.mla.latent_dim if d.mla is not None else 2 * d.kv_dim
+
+
+def kept_matmul_width(d: DrafterConfig) -> int:
+    """Numbers per token selective checkpointing keeps: the outputs of the layer's 2-D matmuls (eagle3.model
+    SAVED_OPS; MLA's per-head einsums into and out of the latent are batched matmuls, recomputed)."""
+    h, i, m = d.hidden_size, d.intermediate_size, d.mla
+    if m is None:
+        return d.attention_dim + 2 * d.kv_dim + 2 * h + 2 * i  # q, k, v, o, down, gate, up
+    q = m.q_lora_rank + m.num_heads * m.qk_head_dim if m.q_lora_rank else m.num_heads * m.qk_head_dim
+    return q + m.latent_dim + 2 * h + 2 * i  # q_a/q_b (or q), kv_a, o, down, gate, up
+
+
+def largest_attention_weight(d: DrafterConfig) -> int:
+    h, m = d.hidden_size, d.mla
+    if m is None:
+        return 2 * h * d.attention_dim
+    heads = m.num_heads
+    q = (
+        (2 * h * m.q_lora_rank, m.q_lora_rank * heads * m.qk_head_dim)
+        if m.q_lora_rank
+        else (2 * h * heads * m.qk_head_dim,)
+    )
+    return max(
+        *q,
+        2 * h * m.latent_dim,
+        m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim),
+        heads * m.v_head_dim * h,
+    )
+
+
+def mla_held_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
+    """What an MLA step's attention keeps for backward (eagle3.mla.MLAAttention.forward), per row.
+
+    The concat's casts for q_a (or q) and kv_a; q_a_layernorm's fp32 copy and normed tensor and q_b's input; the
+    queries (their no-position part is saved by the einsum into the latent); the scaled latent-space queries; the
+    latent's norm (its fp32 copy, or without autocast the fp32 kv_a output it aliases, and the normed tensor); this
+    step's latent (exact) or the latents of steps 0..step concatenated once for keys and values (flex); the
+    attention's output (saved again, as a view, by the einsum out of the latent); o_proj's input.
+    """
+    d, m = spec.drafter, spec.drafter.mla
+    lp, s, heads = spec.act_bytes, seq_len, m.num_heads
+    q_low = (FP32 + 2 * lp) * m.q_lora_rank if m.q_lora_rank else 0
+    latent_norm = (FP32 * m.kv_lora_rank if spec.run.autocast else FP32 * m.latent_dim) + lp * m.kv_lora_rank
+    keys = m.latent_dim * (1 if spec.run.attention == "exact" else step + 1)
+    per_token = (
+        q_low + lp * heads * m.qk_head_dim + lp * heads * m.latent_dim + latent_norm + lp * keys
+        + lp * heads * m.latent_dim + lp * heads * m.v_head_dim
+    )  # fmt: skip
+    return {"qkv_input": s * input_casts(spec) * 2 * d.hidden_size * lp, "attention": s * per_token}
+
+
+def attention_grad_bytes(spec: RunSpec, seq_len: int, k: int) -> int:
+    """The attention's backward at the last step (k = ttt_steps - 1): the gradients of q and of every step's keys
+    and values (fp32 accumulators in the exact path, with its per-block tensors; the flex outputs and the rotary
+    fp32 intermediates on CUDA). MLA: heads of latent width against one latent per step, passed as keys and as
+    values (two gradients, summed)."""
+    d, s, lp = spec.drafter, seq_len, spec.act_bytes
+    m = d.mla
+    if m is None:
+        q, kv, rot = d.attention_dim, d.kv_dim, d.attention_dim + d.kv_dim
+    else:
+        q, kv, rot = m.num_heads * m.latent_dim, m.latent_dim, (m.num_heads + 1) * m.qk_rope_head_dim
+    if spec.run.attention == "exact":
+        return s * (q + (2 + 2 * k) * kv) * FP32 + FP32 * d.num_heads * exact_block_elements(s)
+    return s * (q + 2 * (k + 1) * kv) * lp + s * FP32 * rot
 
 
 def norm_output_bytes(spec: RunSpec, seq_len: int) -> int:
@@ -216,12 +283,12 @@ def once_held_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
 
 def checkpointed_step_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
     """What a step keeps with activation checkpointing: the inputs and outputs of its checkpoint."""
-    kv, s, lp = spec.drafter.kv_dim, seq_len, spec.act_bytes
+    s, lp = seq_len, spec.act_bytes
     return {
         "step_output": s * lp * spec.drafter.hidden_size,
         # this step's K/V, needed by later steps (the last step's are dropped at once)
-        "kv_cache": s * 2 * kv * lp if step < spec.run.ttt_steps - 1 else 0,
-        "rope_tables": s * 2 * FP32 * spec.drafter.head_dim,
+        "kv_cache": s * cache_width(spec.drafter) * lp if step < spec.run.ttt_steps - 1 else 0,
+        "rope_tables": s * 2 * FP32 * spec.drafter.rope_dim,
         "token_ids": s * 8,
         "loss_weight": s * FP32,
         "loss_grad": s
@@ -238,13 +305,8 @@ def activation_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     for step in range(spec.run.ttt_steps):
         if mode != "none":
             step_terms = checkpointed_step_terms(spec, seq_len, step)
-            if mode == "selective":  # eagle3.model SAVED_OPS: the outputs of q/k/v, o, gate, up and down
-                h, i = spec.drafter.hidden_size, spec.drafter.intermediate_size
-                step_terms["kept_matmuls"] = (
-                    seq_len
-                    * spec.act_bytes
-                    * (spec.drafter.attention_dim + 2 * spec.drafter.kv_dim + 2 * h + 2 * i)
-                )
+            if mode == "selective":  # eagle3.model SAVED_OPS: the outputs of the layer's matmuls
+                step_terms["kept_matmuls"] = seq_len * spec.act_bytes * kept_matmul_width(spec.drafter)
         else:
             step_terms = step_held_terms(spec, seq_len, step)
         for name, value in step_terms.items():
@@ -324,12 +386,7 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     intermediates on CUDA); the exact path adds its per-block tensors (exact_block_elements).
     With activation checkpointing the step's forward is recomputed first: its saved tensors come on top.
     """
-    h, a, i, nh = (
-        spec.drafter.hidden_size,
-        spec.drafter.attention_dim,
-        spec.drafter.intermediate_size,
-        spec.drafter.num_heads,
-    )
+    h, a, i = spec.drafter.hidden_size, spec.drafter.attention_dim, spec.drafter.intermediate_size
     lp, s, k = spec.act_bytes, seq_len, spec.run.ttt_steps - 1
     chunk = min(spec.run.loss_chunk_size or s, s)
     grad_h = s * lp * h
@@ -340,20 +397,17 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     loss_chunk = 4 * FP32 * chunk * spec.drafter.draft_vocab_size + shared
     last = step_held_terms(spec, seq_len, k)
     mlp_phase = 2 * grad_h + s * 3 * i * lp
-    kv = spec.drafter.kv_dim
-    if spec.run.attention == "exact":
-        attn = s * (a + (2 + 2 * k) * kv) * FP32 + FP32 * nh * exact_block_elements(s)
-    else:
-        attn = s * (a + 2 * (k + 1) * kv) * lp + s * FP32 * (a + kv)
+    attn = attention_grad_bytes(spec, s, k)
     # Weight gradients: every TTT step adds into the same per-weight gradient buffer (in the matmul dtype: under
     # autocast the bf16 weight copy collects them before the cast back to fp32), which is passed on only after
     # the last use; so a phase holds the buffers of the weights already reached, plus one new weight gradient.
     layer = spec.drafter.linear_params() - 3 * h * h
-    mlp_o = 3 * h * i + a * h
-    largest = max(2 * h * a, h * i)
+    m = spec.drafter.mla
+    mlp_o = 3 * h * i + (m.num_heads * m.v_head_dim * h if m else a * h)
+    largest = max(largest_attention_weight(spec.drafter), h * i)
     attn_phase = grad_h + attn - last["mlp"] - last["norm_post"]
-    # q/k/v input gradients: one per cast copy of the concat, summed in fp32 (attention tensors freed by then)
-    casts = 3 if spec.run.autocast and not spec.bf16_params else 1
+    # the attention's input gradients: one per cast copy of the concat, summed in fp32 (attention tensors freed)
+    casts = input_casts(spec)
     qkv_phase = grad_h + s * 2 * h * (casts * lp + FP32) - last["mlp"] - last["norm_post"] - last["attention"]
     # Without checkpointing the peak is in the last step's backward, the first to fill the buffers (the MLP's
     # first); with it, every step's backward looks alike and the later steps have filled the buffers already.
