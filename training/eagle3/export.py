@@ -24,6 +24,13 @@ from safetensors.torch import load_file, save_file
 
 from eagle3 import __version__
 from eagle3.errors import ConfigError, DataError
+from eagle3.export_mla import (
+    attention_names,
+    check_exportable,
+    config_from_deepseek_eagle3,
+    deepseek_eagle3_config,
+    is_mla_export,
+)
 from eagle3.model import Eagle3Drafter
 from eagle3.options import TTT_STEPS
 from eagle3.rope import normalize_rope_scaling
@@ -44,7 +51,10 @@ def exported_names(cfg: DrafterConfig, include_embed_tokens: bool) -> list[str]:
     """
     layer = "layers.0."
     names = ["fc.weight"]
-    names += [f"{layer}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+    if cfg.mla is not None:
+        names += attention_names(cfg)
+    else:
+        names += [f"{layer}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
     names += [f"{layer}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     names += [f"{layer}{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
     if cfg.norm_before_fc:
@@ -125,17 +135,6 @@ def speculators_config(
     }
 
 
-def refuse_mla(cfg: DrafterConfig) -> None:
-    """An MLA drafter has no export or import here yet: speculators' format has no MLA layer, and vLLM's EAGLE-3
-    DeepSeek layout (deepseek_eagle3) is not written by this version."""
-    if cfg.mla is not None:
-        raise ConfigError(
-            f"kv_lora_rank={cfg.kv_lora_rank}: a drafter with multi-head latent attention cannot be exported or "
-            "initialised from an export yet (speculators' format has no MLA layer; vLLM's deepseek_eagle3 layout is "
-            "not written by this version); its checkpoints resume training"
-        )
-
-
 def export_speculators(
     model_or_state: Eagle3Drafter | dict[str, torch.Tensor],
     out_dir: str | os.PathLike,
@@ -162,7 +161,8 @@ def export_speculators(
             raise ConfigError("export_speculators got a state_dict without cfg; pass cfg=DrafterConfig(...)")
         state = dict(model_or_state)
     cfg.validate()
-    refuse_mla(cfg)
+    if cfg.mla is not None:
+        check_exportable(cfg)
     if not verifier_name_or_path or not verifier_architectures:
         raise ConfigError(
             f"export needs the verifier: verifier_name_or_path={verifier_name_or_path!r}, "
@@ -192,14 +192,19 @@ def export_speculators(
         tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = speculators_config(
-        cfg,
-        speculative_tokens=speculative_tokens,
-        verifier_name_or_path=verifier_name_or_path,
-        verifier_architectures=list(verifier_architectures),
-        max_position_embeddings=max_position_embeddings,
-        dtype=dtype,
-    )
+    if cfg.mla is None:
+        config = speculators_config(
+            cfg,
+            speculative_tokens=speculative_tokens,
+            verifier_name_or_path=verifier_name_or_path,
+            verifier_architectures=list(verifier_architectures),
+            max_position_embeddings=max_position_embeddings,
+            dtype=dtype,
+        )
+    else:  # vLLM's EAGLE-3 DeepSeek layout (eagle3.export_mla): speculators' format has no MLA layer
+        verifier = {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)}
+        config = deepseek_eagle3_config(cfg, speculative_tokens=speculative_tokens, verifier=verifier,
+                                        max_position_embeddings=max_position_embeddings, dtype=dtype)  # fmt: skip
     # Write to temporary names, then rename: a crash never leaves a half-written export behind.
     tmp_weights, tmp_config = out / f".{WEIGHTS_FILE}.tmp", out / f".{CONFIG_FILE}.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
@@ -387,6 +392,8 @@ def read_export_config(
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{prefix}{config_path} is not valid JSON ({e}){bad_json}") from e
+    if is_mla_export(config):
+        return config_from_deepseek_eagle3(config, str(config_path)), weights_path
     return config_from_export(config, str(config_path)), weights_path
 
 
@@ -424,7 +431,6 @@ def init_from_export(model: Eagle3Drafter, src_dir: str | os.PathLike) -> list[s
     train_lm_head) and the same vocab mapping (d2t, t2d) as the run's dataset; ConfigError / DataError name what
     differs. The embedding stays the dataset target's (frozen); lm_head is the export's.
     """
-    refuse_mla(model.cfg)
     src = Path(src_dir)
     cfg, weights_path = read_export_config(
         src, prefix="init_from: ", missing="point init_from at an `eagle3 export` directory"

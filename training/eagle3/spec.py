@@ -129,6 +129,10 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if (
+            self.kv_lora_rank
+        ):  # MLA: a query/key head is qk_nope + qk_rope wide (head_dim is not read otherwise)
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -297,7 +301,7 @@ class DrafterConfig:
                 "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim shape multi-head latent attention, "
                 "which kv_lora_rank > 0 selects: set kv_lora_rank too, or leave them 0"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.mla is None:
             raise ConfigError(
                 f"head_dim={self.head_dim} must be even (rotary embedding pairs); try {self.head_dim + 1}"
             )

@@ -3,6 +3,8 @@ positions past the original context, and its latent-space TTT steps against the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from eagle3.attention import TTTAttention, reference_ttt_attention
@@ -215,7 +217,7 @@ def mla_config(tmp_path, data, **values):
     return write_config(tmp_path / "train.yaml", **{**base, **values})
 
 
-def test_an_mla_drafter_learns_resumes_and_is_not_exported_yet(tmp_path_factory, tmp_path):
+def test_an_mla_drafter_learns_resumes_and_exports_in_vllms_deepseek_layout(tmp_path_factory, tmp_path):
     from pipeline_support import read_metrics, read_status, run_trainer, synth_dataset
 
     data = synth_dataset(tmp_path_factory.getbasetemp(), "synth_learn", num_samples=400, max_len=512)
@@ -232,8 +234,11 @@ def test_an_mla_drafter_learns_resumes_and_is_not_exported_yet(tmp_path_factory,
     assert [v["step"] for v in val] == [20, 40] and val[1]["loss"] < val[0]["loss"]
     out = tmp_path / "export"
     verifier = ["--verifier", "org/target", "--verifier-arch", "DeepseekV3ForCausalLM"]
-    assert run_trainer(["export", str(run), str(out), *verifier], tmp_path / "export.txt", timeout=120) != 0
-    assert "multi-head latent attention cannot be exported" in (tmp_path / "export.txt").read_text()
+    assert (
+        run_trainer(["export", str(run), str(out), *verifier], tmp_path / "export.txt", timeout=120) == 0
+    ), (tmp_path / "export.txt").read_text()[-2000:]
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and exported["kv_lora_rank"] == 16
 
 
 @pytest.mark.timeout(1200)
@@ -251,3 +256,74 @@ def test_an_mla_drafter_under_two_rank_fsdp2_takes_the_ddp_runs_steps(tmp_path_f
         assert rc == 0, log[-3000:]
         losses.append([r["loss"] for r in read_metrics(run)])
     assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------- export and import
+MLA_VERIFIER = {
+    "verifier_name_or_path": "moonshotai/Kimi-K2-Instruct",
+    "verifier_architectures": ["DeepseekV3ForCausalLM"],
+}
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, 0])
+def test_an_mla_drafter_round_trips_through_vllms_deepseek_layout_with_identical_logits(
+    tmp_path, tiny_config, make_model, make_row, q_lora_rank
+):
+    import json
+
+    from eagle3.export import export_speculators, init_from_export, load_exported
+    from eagle3.model import ttt_logits
+
+    cfg = tiny_config(
+        **{**MLA_KEYS, "q_lora_rank": q_lora_rank}, rope_scaling=YARN, fc_norm=True, norm_output=True
+    )
+    model, batch = make_model(cfg), make_row(cfg, [40, 30])
+    export_speculators(model, tmp_path / "out", dtype=torch.float32, speculative_tokens=3, **MLA_VERIFIER)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (
+        config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    )
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["num_hidden_layers"]) == (16, 8, 1)
+    assert config["q_lora_rank"] == (
+        q_lora_rank or None
+    )  # DeepseekV3Config: null means queries without low rank
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(cfg.aux_layer_ids)
+    assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_interleave"] is True
+    loaded = load_exported(tmp_path / "out")
+    assert loaded.cfg == model.cfg
+    torch.testing.assert_close(ttt_logits(loaded, batch, 3), ttt_logits(model, batch, 3), rtol=0, atol=0)
+    fresh = make_model(cfg)  # the same target weights, other trainable ones
+    with torch.no_grad():
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    assert not torch.equal(ttt_logits(fresh, batch, 3), ttt_logits(model, batch, 3))
+    assert init_from_export(fresh, tmp_path / "out")
+    torch.testing.assert_close(ttt_logits(fresh, batch, 3), ttt_logits(model, batch, 3), rtol=0, atol=0)
+
+
+def test_what_the_deepseek_layout_cannot_hold_is_refused_by_name(tmp_path, tiny_config, make_model):
+    import json
+
+    from eagle3.errors import ConfigError
+    from eagle3.export import export_speculators, load_exported
+
+    with pytest.raises(ConfigError, match="rope_interleave=false"):
+        export_speculators(
+            make_model(tiny_config(**MLA_KEYS, rope_interleave=False)), tmp_path, **MLA_VERIFIER
+        )
+    with pytest.raises(ConfigError, match="norm_before_fc=true"):
+        export_speculators(make_model(tiny_config(**MLA_KEYS, norm_before_fc=True)), tmp_path, **MLA_VERIFIER)
+    export_speculators(make_model(tiny_config(**MLA_KEYS)), tmp_path, **MLA_VERIFIER)
+    path = tmp_path / "config.json"
+    good = json.loads(path.read_text())
+    for change, words in (
+        ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"index_topk": 2048}, r"unknown field\(s\) \['index_topk'\]"),
+        ({"kv_lora_rank": None}, "kv_lora_rank"),
+    ):
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(ConfigError, match=words):
+            load_exported(tmp_path)
