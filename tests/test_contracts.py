@@ -173,7 +173,9 @@ def test_the_training_units_name_has_one_declaration():
     summary = _load("roles/eagle3_train/filter_plugins/training_summary.py", "contract_training_summary")
     assert summary.default_unit() == unit
     code = (ROOT / "roles/eagle3_train/filter_plugins/training_summary.py").read_text()
-    assert not re.search(r"unit_name: str[^=]*=\s*[\"']eagle3-train", code), "the summary restates the unit's name"
+    assert not re.search(r"unit_name: str[^=]*=\s*[\"']eagle3-train", code), (
+        "the summary restates the unit's name"
+    )
 
 
 def test_the_controller_reads_the_trainers_length_block(monkeypatch):
