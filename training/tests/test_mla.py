@@ -327,3 +327,16 @@ def test_what_the_deepseek_layout_cannot_hold_is_refused_by_name(tmp_path, tiny_
         path.write_text(json.dumps({**good, **change}))
         with pytest.raises(ConfigError, match=words):
             load_exported(tmp_path)
+
+
+def test_max_seq_len_auto_plans_an_mla_run_from_its_trainer_config(tmp_path_factory, tmp_path, capsys):
+    """The role's max_seq_len=auto: the planner reads the trainer config (MLA keys included) and the data set."""
+    from eagle3 import plan as P
+    from pipeline_support import synth_dataset
+
+    data = synth_dataset(tmp_path_factory.getbasetemp())
+    config = mla_config(tmp_path, data, max_seq_len="auto", device="cpu", memory_limit_gb=2)
+    assert P.main(["--config", str(config), "--json", "--lengths", "1024,2048"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["kv_lora_rank"] == 16 and out["shape"]["head_dim"] == 16
+    assert out["max_seq_len"] % 128 == 0 and out["max_seq_len"] >= 1024
