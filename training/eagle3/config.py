@@ -160,6 +160,11 @@ class TrainConfig:
         "full", "with fsdp: full shards over all ranks; hsdp shards within a node and replicates across nodes "
         "(a 2-D mesh, nodes x ranks per node from torchrun)", choices=("full", "hsdp"),
     )  # fmt: skip
+    context_parallel: int = option(
+        1, "ranks one packed row is split over (Ulysses context parallelism: an all-to-all from sequence shards to "
+        "head shards around the attention); must divide the world size and the attention heads; 1: off",
+        bound=AT_LEAST_1,
+    )  # fmt: skip
     memory_limit_gb: float = option(
         0.0, "memory per rank in GiB (CUDA: memory fraction, CPU: RLIMIT_AS); 0: off", bound=NON_NEGATIVE
     )

@@ -130,10 +130,13 @@ class MLAAttention(nn.Module):
             [q_latent, rotate(q_rot, cos, sin, self.interleave)], dim=-1
         )  # [heads, S, r + rope]
         query = query * (scale * math.sqrt(s.latent_dim))
-        latent = self.latent(x, cos, sin)  # [1, S, r + rope]
+        # context parallelism (eagle3.context): a share of the heads over the whole row, and every rank the whole
+        # latent (the one key/value head of all); the identity on one rank
+        query = attention.to_heads(query)
+        latent = attention.to_heads(self.latent(x, cos, sin), kv=True)  # [1, S, r + rope]
         keys = [*past_latents, latent]
         # The values are the latents: the keys' first kv_lora_rank numbers. Passing the keys as the values keeps one
         # tensor per step (no copy for either attention path) and the output's last qk_rope_head_dim are dropped.
-        out_latent = attention(query, keys, keys)[..., : s.kv_lora_rank]  # [heads, S, r]
+        out_latent = attention.to_sequence(attention(query, keys, keys)[..., : s.kv_lora_rank])  # [heads, S, r]
         out = torch.einsum("hsr,hvr->shv", out_latent, w_uv).reshape(x.shape[0], s.num_heads * s.v_head_dim)
         return self.o_proj(out), latent

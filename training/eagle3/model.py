@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from eagle3.attention import TTTAttention
 from eagle3.config import check_key
+from eagle3.context import SINGLE, ContextShard, row_attention
 from eagle3.errors import ConfigError, DataError
 from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
 from eagle3.mla import MLAAttention, softmax_scale
@@ -151,7 +152,10 @@ class Eagle3DecoderLayer(nn.Module):
         q = apply_rope(heads(self.self_attn.q_proj(x), self.num_heads), cos, sin)  # [nh, S, hd]
         k = apply_rope(heads(self.self_attn.k_proj(x), self.num_kv_heads), cos, sin)  # [nkv, S, hd]
         v = heads(self.self_attn.v_proj(x), self.num_kv_heads)  # [nkv, S, hd]
-        attn = attention(q, [*past_keys, k], [*past_values, v])  # [nh, S, hd]
+        # context parallelism (eagle3.context): this rank's S slots of every head -> a share of the heads over the
+        # whole row, and back after the attention; the identity on one rank
+        q, k, v = attention.to_heads(q), attention.to_heads(k, kv=True), attention.to_heads(v, kv=True)
+        attn = attention.to_sequence(attention(q, [*past_keys, k], [*past_values, v]))  # [nh, S, hd]
         attn = attn.transpose(0, 1).reshape(seq_len, self.num_heads * self.head_dim)  # [S, nh*hd]
         hidden = residual + self.self_attn.o_proj(attn)  # [S, H]
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))  # [S, H]
@@ -338,6 +342,7 @@ class Eagle3Drafter(nn.Module):
         ttt_steps: int,
         attention: str = "auto",
         activation_checkpointing: bool | str = False,
+        context: ContextShard = SINGLE,
     ):
         """Yield the drafter's pre-norm hidden state [S, H] of each TTT step 0..ttt_steps-1 (teacher forced).
 
@@ -346,10 +351,15 @@ class Eagle3Drafter(nn.Module):
         recomputes only the cheap work between them (norms, concat, RoPE, SiLU, the residual adds) and the
         attention's blockwise forward. The K/V of earlier steps are passed in and this step's K/V returned, so
         recomputation sees the same cache (HF-style checkpointing would drop it).
+
+        context (eagle3.context): the hidden states are those of this rank's slots [a, b) of the row; batch holds
+        aux_hidden of those slots only, the per-slot id vectors of the whole row.
         """
         mode = checkpoint_mode(activation_checkpointing)
+        a, b = context.bounds(batch["input_ids"].shape[0])
         input_ids = batch["input_ids"]
-        attn = TTTAttention(batch["document_ids"], attention)
+        kv_heads = 1 if self.cfg.mla is not None else self.cfg.num_kv_heads
+        attn = row_attention(TTTAttention(batch["document_ids"], attention), context, kv_heads)
         aux = batch["aux_hidden"]
         if self.input_norm is not None:
             aux = self.input_norm(aux)
@@ -358,12 +368,12 @@ class Eagle3Drafter(nn.Module):
                 [norm(part) for norm, part in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], -1
             )
         hidden = _linear(self.fc, aux)  # [S, H]
-        base_positions = batch["position_ids"] + 1  # the embedded token sits one slot right
+        base_positions = batch["position_ids"][a:b] + 1  # the embedded token sits one slot right
         keys, values = [], []
         for step in range(ttt_steps):
             if step and self.cfg.norm_output:  # EAGLE 3.1: a later step reads the post-norm hidden state
                 hidden = self.norm(hidden)
-            token_ids = shift_tokens(input_ids, step + 1)  # [S]
+            token_ids = shift_tokens(input_ids, step + 1)[a:b]  # [S]
             cos, sin = rope_cos_sin(
                 base_positions + step, self.cfg.rope_dim, self.cfg.rope_theta, self.cfg.rope_scaling
             )  # [S, rotary dims]
@@ -389,9 +399,12 @@ class Eagle3Drafter(nn.Module):
         activation_checkpointing: bool | str = False,
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         attention: str = "auto",
+        context: ContextShard = SINGLE,
     ):
         """See `ttt_forward`."""
-        return _ttt_loss(self, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention)
+        return _ttt_loss(
+            self, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention, context
+        )
 
 
 # Selective activation checkpointing: what the decoder step keeps. The outputs of its matmuls (aten.mm: the linear
@@ -415,52 +428,52 @@ def _linear_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _ttt_loss(
-    model: Eagle3Drafter, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention
-):
+    model: Eagle3Drafter, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention,
+    context: ContextShard = SINGLE,
+):  # fmt: skip
     """The TTT steps first (every step's hidden state is kept for backward anyway: the next step's input), then
     the loss walked by chunks of *target* slots: a chunk's target logits, argmax and probabilities are made once
     and shared by every TTT step whose supervised slots fall in it (step k's slot j reads target slot j+1+k), so
     the target side costs one pass over the row whatever the chunk size, and no fp32 [positions, V] tensor
-    outlives its chunk. loss_chunk_size 0: one chunk of the whole row."""
+    outlives its chunk. loss_chunk_size 0: one chunk of the whole row.
+
+    Under context parallelism (eagle3.context) the slots are this rank's [a, b) and the targets [a, end): the loss
+    is their share of the row's (each step normalised by the row's supervised count) and the statistics their sums."""
     check_key("ttt_steps", ttt_steps)  # the config's own bound: one declaration
-    seq_len = check_batch(model.cfg, batch)
-    device = model.fc.weight.device
-    batch = {k: v.to(device) for k, v in batch.items()}
-    last_hidden = batch["last_hidden"]
     if loss_chunk_size < 0:
         raise ConfigError(
             f"loss_chunk_size={loss_chunk_size} must be 0 (one pass) or a chunk size, e.g. 4096"
         )
-    chunk = min(loss_chunk_size or seq_len, seq_len) or 1
-    doc, loss_mask = batch["document_ids"], batch["loss_mask"]
-    hiddens = list(model.ttt_hidden_states(batch, ttt_steps, attention, activation_checkpointing))
+    a, b, end = context.held(check_batch(model.cfg, batch, context, ttt_steps), ttt_steps)
+    device = model.fc.weight.device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    last_hidden = batch["last_hidden"]  # target slots [a, end)
+    chunk = min(loss_chunk_size or end - a, end - a) or 1
+    hiddens = list(model.ttt_hidden_states(batch, ttt_steps, attention, activation_checkpointing, context))
     sup, weights = [], []
     for step in range(ttt_steps):
-        _, supervised = step_supervision(doc, loss_mask, step)
-        count = supervised.sum()
-        sup.append((supervised, count))
-        weights.append(supervised.float() * (gamma**step / count.clamp(min=1).float()))  # [n]
+        _, supervised = step_supervision(batch["document_ids"], batch["loss_mask"], step)  # the whole row's
+        own = supervised[a:b]
+        sup.append((own, own.sum()))
+        weights.append(own.float() * (gamma**step / supervised.sum().clamp(min=1).float()))  # [n]
     loss = last_hidden.new_zeros((), dtype=torch.float32)
     kls: list[list] = [[] for _ in range(ttt_steps)]
     ids: list[list] = [[] for _ in range(ttt_steps)]
     restricted, true = [], []
-    for c in range(0, seq_len, chunk):
-        e = min(c + chunk, seq_len)
+    for c in range(0, end - a, chunk):  # target slots a + c .. a + e
+        e = min(c + chunk, end - a)
         best_id, true_id, (p_t, neg_entropy) = model.target_chunk(last_hidden[c:e])
         restricted.append(best_id)
         true.append(true_id)
         for step in range(ttt_steps):
             n = weights[step].shape[0]
-            a, b = (
-                max(c - 1 - step, 0),
-                min(e - 1 - step, n),
-            )  # slots j whose target slot j+1+step is in [c, e)
-            if b <= a:
+            lo, hi = max(c - 1 - step, 0), min(e - 1 - step, n)  # own slots j whose target j+1+step is in the chunk
+            if hi <= lo:
                 continue
-            t0 = a + 1 + step - c
+            t0 = lo + 1 + step - c
             part, kl, draft_ids = fused_kl(
-                model, hiddens[step][a:b], p_t[t0 : t0 + b - a], neg_entropy[t0 : t0 + b - a],
-                weights[step][a:b],
+                model, hiddens[step][lo:hi], p_t[t0 : t0 + hi - lo], neg_entropy[t0 : t0 + hi - lo],
+                weights[step][lo:hi],
             )  # fmt: skip
             loss = loss + part
             kls[step].append(kl)
@@ -534,6 +547,7 @@ def ttt_forward(
     activation_checkpointing: bool = False,
     loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
     attention: str = "auto",
+    context: ContextShard = SINGLE,
 ):
     """Loss and statistics of one packed row over `ttt_steps` TTT steps.
 
@@ -544,6 +558,9 @@ def ttt_forward(
     among slots that matched at every step < k), and the *_true_* versions that compare against
     the target's argmax over its whole vocabulary (a target token outside the draft vocab is a miss).
 
+    context (eagle3.context): this rank's share of the row (eagle3.context.shard_row made the batch): the loss
+    and the statistics of its slots; summed over the context-parallel ranks they are the row's.
+
     Goes through `model(...)` so DDP / FSDP wrappers run their hooks.
     """
     return model(
@@ -553,6 +570,7 @@ def ttt_forward(
         activation_checkpointing=activation_checkpointing,
         loss_chunk_size=loss_chunk_size,
         attention=attention,
+        context=context,
     )
 
 

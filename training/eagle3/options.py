@@ -130,6 +130,12 @@ class RunOptions:
     notes: tuple[str, ...] = ()  # what the trainer logs about the choices ("note: ...")
     shard_layout: str = "full"  # full | hsdp, as the config asks
     nodes: int = 1  # torchrun agents (nodes) in the run
+    context_parallel: int = 1  # ranks one row is split over (eagle3.context); world_size / it rows per step
+
+    @property
+    def data_parallel(self) -> int:
+        """Rows per step: groups of `context_parallel` consecutive ranks share one row."""
+        return self.world_size // self.context_parallel
 
     @property
     def hsdp(self) -> bool:
@@ -192,6 +198,7 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
     if cfg.fsdp and world_size < 2:
         notes.append("note: fsdp: true with a single process shards nothing; training unsharded")
     check_layout(cfg.shard_layout, cfg.fsdp, world_size, nodes)
+    check_context_parallel(cfg.context_parallel, world_size, cfg.max_seq_len)
     if cfg.shard_layout == "hsdp" and cfg.fsdp and nodes == 1 and world_size > 1:
         notes.append(f"note: shard_layout=hsdp on one node shards over all {world_size} ranks, as full does")
     if kind == "cuda" and cfg.dtype == "fp32":
@@ -211,7 +218,30 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
         notes=tuple(notes),
         shard_layout=cfg.shard_layout,
         nodes=nodes,
+        context_parallel=cfg.context_parallel,
     )
+
+
+def check_context_parallel(cp: int, world_size: int, max_seq_len: int | None = None) -> None:
+    """Refuse a context-parallel size the ranks cannot form: it must divide the world size (groups of cp consecutive
+    ranks share a row) and the row length (each rank holds max_seq_len / cp slots).
+
+    >>> check_context_parallel(3, 8)
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: context_parallel=3 does not divide the world size 8: groups of 3 consecutive ranks share one row; use a divisor of 8 (1, 2, 4, 8)
+    """
+    if cp < 1 or world_size % cp:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ConfigError(
+            f"context_parallel={cp} does not divide the world size {world_size}: groups of {cp} consecutive ranks "
+            f"share one row; use a divisor of {world_size} ({divisors})"
+        )
+    if max_seq_len and max_seq_len % cp:
+        raise ConfigError(
+            f"context_parallel={cp} does not divide max_seq_len={max_seq_len}: each rank holds max_seq_len / "
+            f"context_parallel slots of the row"
+        )
 
 
 def check_layout(layout: str, fsdp: bool, world_size: int, nodes: int) -> None:

@@ -225,6 +225,33 @@ class DrafterConfig:
         """Width of the keys and of the values (k_proj, v_proj): smaller by heads / kv_heads under GQA."""
         return (self.num_kv_heads or self.num_heads) * self.head_dim
 
+    def context_heads(self, cp: int) -> tuple[int, int]:
+        """(query heads, key/value heads) each of `cp` ranks attends with under context parallelism (eagle3.context):
+        the query heads split evenly; key/value heads split too when cp divides them, else each is repeated to cp
+        copies first (cp a multiple of them: every rank's query heads read one of them). MLA: the one latent of all
+        heads goes to every rank. Raises ConfigError naming the heads when they cannot split over cp ranks.
+
+        >>> DrafterConfig(64, 8, 8, 128, 512, 1024, num_kv_heads=2).context_heads(4)
+        (2, 1)
+        >>> DrafterConfig(64, 6, 8, 128, 512, 1024, num_kv_heads=2).context_heads(4)
+        Traceback (most recent call last):
+        ...
+        eagle3.errors.ConfigError: context_parallel=4 does not divide num_heads=6: the query heads are split over the context-parallel ranks; use a divisor of 6 (1, 2, 3, 6)
+        """
+        kv = 1 if self.mla is not None else self.num_kv_heads
+        if self.num_heads % cp:
+            divisors = ", ".join(str(d) for d in range(1, self.num_heads + 1) if self.num_heads % d == 0)
+            raise ConfigError(
+                f"context_parallel={cp} does not divide num_heads={self.num_heads}: the query heads are split over "
+                f"the context-parallel ranks; use a divisor of {self.num_heads} ({divisors})"
+            )
+        if kv % cp and cp % kv:
+            raise ConfigError(
+                f"context_parallel={cp} and num_kv_heads={kv} neither divide each other: the key/value heads are "
+                f"split over the context-parallel ranks, or repeated to them; use a divisor or a multiple of {kv}"
+            )
+        return self.num_heads // cp, max(kv // cp, 1)
+
     def linear_params(self) -> int:
         """Trainable Linear weights (autocast keeps a bf16 copy of each): fc, q/k/v/o, gate/up/down, lm_head if trained.
 
@@ -477,6 +504,7 @@ def spec_of(
     """A drafter shape under a trainer config on `device`: the run options resolved as the trainer resolves them,
     the memory facts of that device."""
     run = options.resolve_options(cfg, device, world_size, nodes)
+    drafter.context_heads(run.context_parallel)  # the heads split over the context-parallel ranks, or ConfigError
     cuda = run.device == "cuda"
     return RunSpec(
         drafter=drafter,

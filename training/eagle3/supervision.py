@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from eagle3.attention import validate_document_ids
+from eagle3.context import SINGLE, ContextShard
 from eagle3.errors import DataError
 from eagle3.spec import DrafterConfig
 
@@ -39,24 +40,28 @@ def step_supervision(document_ids: torch.Tensor, loss_mask: torch.Tensor, step: 
     return valid, valid & loss_mask[1 + step : 1 + step + n].bool()
 
 
-def check_batch(cfg: DrafterConfig, batch: dict) -> int:
-    """Check names, shapes, dtypes and id ranges of one packed row; return S. DataError names what is wrong."""
+def check_batch(cfg: DrafterConfig, batch: dict, context: ContextShard = SINGLE, halo: int = 0) -> int:
+    """Check names, shapes, dtypes and id ranges of one packed row; return S. DataError names what is wrong.
+
+    context: a rank's share of the row (eagle3.context.shard_row): aux_hidden of its slots, last_hidden (and
+    target_ids) of its slots and `halo` more."""
     needed = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "document_ids", "position_ids")
     missing = [k for k in needed if k not in batch]
     if missing:
         raise DataError(f"batch lacks {missing}; a packed row needs {list(needed)}")
     seq_len = batch["input_ids"].shape[0]
+    a, b, end = context.held(seq_len, halo) if context.enabled else (0, seq_len, seq_len)
     h = cfg.hidden_size
     shapes = {
         "input_ids": [seq_len],
-        "aux_hidden": [seq_len, 3 * h],
-        "last_hidden": [seq_len, h],
+        "aux_hidden": [b - a, 3 * h],
+        "last_hidden": [end - a, h],
         "loss_mask": [seq_len],
         "document_ids": [seq_len],
         "position_ids": [seq_len],
     }
     if "target_ids" in batch:
-        shapes["target_ids"] = [seq_len]
+        shapes["target_ids"] = [end - a]
     for key, shape in shapes.items():
         if list(batch[key].shape) != shape:
             raise DataError(
