@@ -59,6 +59,7 @@ class TrainerState:
     best_val_loss: float | None = None
     best_step: int | None = None
     packing: str = "next_fit"  # the packer of the epoch plans; checkpoints from before the key used next_fit
+    context_parallel: int = 1  # ranks per row (the plan has world_size / it rows per step); 1 before the key
 
 
 def step_dir_name(step: int) -> str:

@@ -100,7 +100,7 @@ class Checkpointer:
         cfg = self.cfg
         fresh = ckpt.TrainerState(
             step=0, epoch=0, step_in_epoch=0, samples_seen=0, world_size=self.info.world_size,
-            max_seq_len=cfg.max_seq_len, seed=cfg.seed, packing=cfg.packing,
+            max_seq_len=cfg.max_seq_len, seed=cfg.seed, packing=cfg.packing, context_parallel=cfg.context_parallel,
         )  # fmt: skip
         choice = None
         if self.info.is_main:  # rank 0 verifies (hashes every file once) and tells the others
@@ -123,8 +123,8 @@ class Checkpointer:
         if note:
             self.log(note)
         # The epoch plan's inputs (eagle3.packing.plan_epoch) as the checkpoint recorded them and as they are now.
-        now = {"world_size": self.info.world_size, "max_seq_len": cfg.max_seq_len, "seed": cfg.seed,
-               "packing": cfg.packing}  # fmt: skip
+        now = {"world_size": self.info.world_size, "context_parallel": cfg.context_parallel,
+               "max_seq_len": cfg.max_seq_len, "seed": cfg.seed, "packing": cfg.packing}  # fmt: skip
         changed = [
             f"{k} {getattr(state, k)} -> {v}"
             + (f" (packing: {state.packing} keeps the checkpoint's plan)" if k == "packing" else "")

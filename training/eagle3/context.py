@@ -88,11 +88,15 @@ def shard_row(row: dict, shard: ContextShard, halo: int) -> dict:
     if not shard.enabled:
         return row
     a, b, end = shard.held(row["input_ids"].shape[0], halo)
+
+    def copy(t: torch.Tensor) -> torch.Tensor:  # pinned stays pinned: the copy to the GPU stays asynchronous
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_pinned()).copy_(t)
+
     out = dict(row)
-    out["aux_hidden"] = row["aux_hidden"][a:b].clone()
-    out["last_hidden"] = row["last_hidden"][a:end].clone()
+    out["aux_hidden"] = copy(row["aux_hidden"][a:b])
+    out["last_hidden"] = copy(row["last_hidden"][a:end])
     if "target_ids" in row:
-        out["target_ids"] = row["target_ids"][a:end].clone()
+        out["target_ids"] = copy(row["target_ids"][a:end])
     return out
 
 

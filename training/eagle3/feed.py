@@ -37,13 +37,14 @@ class RowPrefetcher:
     returns (the trainer uses it for one step). Errors (bad shard, out of memory) surface in `get`.
     """
 
-    def __init__(self, data_dir: str, max_seq_len: int, pin_memory: bool, depth: int = 1):
+    def __init__(self, data_dir: str, max_seq_len: int, pin_memory: bool, depth: int = 1, share=None):
         if depth < 1:
             raise ValueError(f"prefetch depth {depth} must be at least 1")
         self.reader = DatasetReader(data_dir)
         self.max_seq_len = max_seq_len
         self.pin_memory = pin_memory
         self.depth = depth
+        self.share = share  # row -> this rank's share of it (eagle3.context.shard_row), or None: the whole row
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-fetch")
         self.pending: list[tuple[tuple[int, int], Future]] = []  # oldest first, at most `depth`
         # the step's row, one spare, `depth` queued: a read never lands in the row the caller holds
@@ -60,7 +61,7 @@ class RowPrefetcher:
         self.buffers[slot] = row
         if not bool(row["loss_mask"].any()):
             real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
-        return row, real
+        return (self.share(row) if self.share else row), real
 
     def scheduled(self, key: tuple[int, int]) -> bool:
         return any(k == key for k, _ in self.pending)

@@ -26,6 +26,7 @@ from eagle3 import distributed as dist_utils
 from eagle3 import options
 from eagle3.checkpointer import Checkpointer
 from eagle3.config import SEQ_BLOCK, TrainConfig
+from eagle3.context import SINGLE, data_parallel_rank, make_shard, shard_row
 from eagle3.data import DatasetReader
 from eagle3.errors import (
     EXIT_OK,
@@ -120,6 +121,7 @@ class Trainer:
         self.train_ids: list[int] = []
         self.val_ids: list[int] = []
         self.spec: RunSpec | None = None  # the drafter's shape and the run options, resolved for this device
+        self.context = SINGLE  # build_model: this rank's share of a row under context parallelism (eagle3.context)
         self._plans: dict[int, EpochPlan] = {}  # the two epoch plans last asked for (plan)
         # build_model: the drafter, what a step calls (DDP around it, or FSDP-sharded), optimizer and schedule
         self.model: Eagle3Drafter | None = None
@@ -179,6 +181,14 @@ class Trainer:
     def drafter_config(self) -> DrafterConfig:
         return self.spec.drafter
 
+    @property
+    def row_rank(self) -> int:
+        """The index of this rank's row in a step (its data-parallel rank): context-parallel ranks share one."""
+        return data_parallel_rank(self.info.rank, self.run_options.context_parallel)
+
+    def ttt_kwargs(self) -> dict:
+        return {**self.run_options.ttt_kwargs(), "context": self.context}
+
     def plan(self, epoch: int) -> EpochPlan:
         plan = self._plans.get(epoch)
         if plan is None:  # two are kept: the prefetch queue may reach into the next epoch
@@ -186,7 +196,7 @@ class Trainer:
                 self.train_ids,
                 self.reader.index.lengths,
                 max_seq_len=self.cfg.max_seq_len,
-                world_size=self.info.world_size,
+                world_size=self.run_options.data_parallel,
                 seed=self.cfg.seed,
                 epoch=epoch,
                 packing=self.cfg.packing,
@@ -209,6 +219,13 @@ class Trainer:
             init_from_export(model, cfg.init_from)
         self.model = model.to(device)
         run = self.run_options
+        self.context = make_shard(self.info.rank, self.info.world_size, run.context_parallel, device.type)
+        if self.context.enabled:
+            self.log(
+                f"context parallel: each row split over {run.context_parallel} ranks (a {run.data_parallel} x "
+                f"{run.context_parallel} dp x cp mesh; {self.cfg.max_seq_len // run.context_parallel} slots per rank, "
+                "attention by all-to-all over heads)"
+            )
         self.autocast_dtype = torch.bfloat16 if run.autocast else None
         if run.store_frozen_bf16:
             self.model.frozen_to(torch.bfloat16)  # frozen embedding and target heads in bf16: half the bytes
@@ -291,6 +308,7 @@ class Trainer:
         row = build_row(samples, self.cfg.max_seq_len, reader.index.hidden_size)
         if not bool(row["loss_mask"].any()):
             real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
+        row = shard_row(row, self.context, self.cfg.ttt_steps)
         if self.info.device.type == "cuda":
             row = {k: v.pin_memory() for k, v in row.items()}  # lets the copy to the GPU run asynchronously
         return row, real
@@ -331,7 +349,8 @@ class Trainer:
         self.model.eval()
         plan = plan_epoch(
             self.val_ids, self.reader.index.lengths, max_seq_len=self.cfg.max_seq_len,
-            world_size=self.info.world_size, seed=self.cfg.seed, epoch=0, shuffle=False, packing=self.cfg.packing,
+            world_size=self.run_options.data_parallel, seed=self.cfg.seed, epoch=0, shuffle=False,
+            packing=self.cfg.packing,
         )  # fmt: skip
         # val_max_batches: the first rows of the fixed plan, the same on every rank (FSDP runs them in step).
         cap = self.cfg.val_max_batches
@@ -341,23 +360,20 @@ class Trainer:
         for assignment in rows:
             # A stop must not wait for a long validation; the result is then dropped. Under FSDP every
             # forward is a collective, so the ranks agree on stopping row by row and run filler rows.
-            stop = (
-                dist_utils.any_rank(self.stop.requested, self.info)
-                if self.run_options.sharded
-                else self.stop.requested
-            )
+            collective = self.run_options.sharded or self.context.enabled
+            stop = dist_utils.any_rank(self.stop.requested, self.info) if collective else self.stop.requested
             if stop:
                 aborted = True
                 break
             self.watchdog.touch(f"validation at step {step}")
-            ids = assignment[self.info.rank]
-            if not ids and not self.run_options.sharded:
+            ids = assignment[self.row_rank]
+            if not ids and not collective:
                 continue
             row, real = self.fetch_row(ids, plan.steps[0][0][0])
-            if not real and not self.run_options.sharded:
+            if not real and not collective:
                 continue
             with self.autocast():
-                _, stats = ttt_forward(self.model, self.to_device(row), **self.run_options.ttt_kwargs())
+                _, stats = ttt_forward(self.model, self.to_device(row), **self.ttt_kwargs())
             if real:
                 acc.add_stats(stats)
         # One collective: the statistics and whether any rank gave up early.
@@ -384,6 +400,7 @@ class Trainer:
         self.files.update_status(
             phase="training", step=state.step, epoch=state.epoch, steps_per_epoch=self.steps_per_epoch,
             max_steps=self.total_steps, max_seq_len=cfg.max_seq_len, world_size=info.world_size,
+            context_parallel=self.run_options.context_parallel, data_parallel=self.run_options.data_parallel,
             resumed_from_step=resumed_from, mem_kind="cuda" if info.device.type == "cuda" else "rss",
         )  # fmt: skip
         acc = StatAccumulator(cfg.ttt_steps)
@@ -394,23 +411,26 @@ class Trainer:
         self.model.train()
         stopped = False
         prefetch = RowPrefetcher(
-            cfg.data_dir, cfg.max_seq_len, pin_memory=info.device.type == "cuda", depth=cfg.prefetch_depth
+            cfg.data_dir, cfg.max_seq_len, pin_memory=info.device.type == "cuda", depth=cfg.prefetch_depth,
+            share=lambda row: shard_row(row, self.context, cfg.ttt_steps),
         )
         hang_at = fault_hang_step(info.rank)  # tests only: EAGLE3_FAULT_HANG_AT_STEP
         progress = ProgressLine(cfg.progress_every_s, start_step=state.step)
         while state.step < self.total_steps:
             plan = self.plan(state.epoch)
-            sample_ids = plan.steps[state.step_in_epoch][info.rank]
+            sample_ids = plan.steps[state.step_in_epoch][self.row_rank]
             if hang_at == state.step + 1:
                 injected_hang(hang_at)
 
             t0 = time.perf_counter()
             row, real = self.next_row(prefetch, state, sample_ids)
-            tokens = int((row["document_ids"] >= 0).sum()) if real else 0
+            own = slice(*self.context.bounds(row["document_ids"].shape[0]))  # this rank's slots of the row
+            tokens = int((row["document_ids"][own] >= 0).sum()) if real else 0
             stats, seconds = self.train_step(row, real, state.step + 1, fetch_started=t0)
             if real:
                 acc.add_stats(stats)
-            acc.add_scalars(tokens=tokens, rows=1 if real else 0, steps=1, **seconds)
+            first = self.context.index == 0  # a row counts once, on the first rank of its context-parallel group
+            acc.add_scalars(tokens=tokens, rows=1 if real and first else 0, steps=1, **seconds)
             if record_file is not None:
                 record_file.write(
                     f'{{"step": {state.step + 1}, "epoch": {state.epoch}, "ids": {list(sample_ids)}}}\n'
@@ -451,7 +471,7 @@ class Trainer:
         for position in self.upcoming_positions(state, prefetch.depth):
             if not prefetch.scheduled(position):
                 ahead = self.plan(position[0])
-                prefetch.schedule(position, ahead.steps[position[1]][self.info.rank], ahead.steps[0][0][0])
+                prefetch.schedule(position, ahead.steps[position[1]][self.row_rank], ahead.steps[0][0][0])
         return row, real
 
     def train_step(
@@ -465,13 +485,15 @@ class Trainer:
         self.sync()
         t1 = time.perf_counter()
         with self.autocast():
-            loss, stats = ttt_forward(self.step_module, batch, **self.run_options.ttt_kwargs())
+            loss, stats = ttt_forward(self.step_module, batch, **self.ttt_kwargs())
         inject_oom(step, self.info.rank, self.start_step)  # tests only: EAGLE3_FAULT_OOM_AT_STEP
         if not real:
             loss = loss * 0.0
         self.sync()
         t2 = time.perf_counter()
-        loss.backward()
+        # DDP and FSDP average the gradients over every rank; a row's are the sum over its context-parallel ranks
+        # (each holds its slots' share of the loss): scaled by cp, the average is over rows, as without cp.
+        (loss * self.run_options.context_parallel if self.context.enabled else loss).backward()
         self.sync()
         t3 = time.perf_counter()
         if self.cfg.grad_clip > 0:
