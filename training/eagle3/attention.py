@@ -16,7 +16,8 @@ Padding slots (document id -1) see only their own slot at every step.
 Two implementations with the same result:
 
 * `flex`: `torch.nn.attention.flex_attention` over the concatenated K/V of steps 0..k with a
-  document BlockMask built once per step (`B=None, H=None`), compiled on CUDA. On CPU the forward
+  document BlockMask built once per step (`B=None, H=None`) from the document starts, block by block
+  (eagle3.blockmask, never the S x S grid); flex_attention is compiled on CUDA. On CPU the forward
   works (eager) but there is no backward, so it is used there only to check parity.
 * `exact`: a blockwise attention with its own backward (`BlockwiseTTTAttention`): per block of
   queries it scores only the step-0 keys from the block's first document start to the block end,
@@ -38,8 +39,9 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from eagle3.blockmask import document_block_mask, document_starts, ttt_mask_mod
 from eagle3.errors import DataError
 from eagle3.options import attention_for
 
@@ -48,20 +50,6 @@ ATTENTION_KINDS = ("auto", "flex", "exact")
 # Query block of the exact path. 256 keeps the per-block score tensor small ([heads, 256, doc span])
 # while the per-block Python overhead stays negligible at S = 16384 (64 blocks per step).
 DEFAULT_BLOCK_SIZE = 256
-
-
-def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """Slot where the document of each slot begins; padding slots (-1) are one-slot documents.
-
-    >>> document_starts(torch.tensor([0, 0, 0, 1, 1, -1, -1])).tolist()
-    [0, 0, 0, 3, 3, 5, 6]
-    """
-    seq_len = document_ids.shape[0]
-    slots = torch.arange(seq_len, device=document_ids.device)
-    begins = torch.ones(seq_len, dtype=torch.bool, device=document_ids.device)
-    begins[1:] = document_ids[1:] != document_ids[:-1]
-    begins |= document_ids < 0
-    return torch.where(begins, slots, torch.zeros_like(slots)).cummax(0).values  # [S]
 
 
 def validate_document_ids(document_ids: torch.Tensor) -> None:
@@ -275,38 +263,16 @@ def exact_ttt_attention(
     return BlockwiseTTTAttention.apply(block_size, doc_start, q, keys[0], values[0], *diag)
 
 
-def ttt_mask_mod(document_ids: torch.Tensor):
-    """flex_attention mask_mod over KV = steps 0..k concatenated (KV slot = step * S + slot).
-
-    Causal within the document for step-0 keys, plus the same slot of every step (the diagonal).
-    """
-    seq_len = document_ids.shape[0]
-
-    def mask_mod(_b, _h, q_idx, kv_idx):
-        kv_slot = kv_idx % seq_len
-        same_doc = (document_ids[q_idx] == document_ids[kv_slot]) & (document_ids[q_idx] >= 0)
-        causal_step0 = (kv_idx <= q_idx) & same_doc  # kv_idx <= q_idx < S only holds for step-0 keys
-        return causal_step0 | (kv_slot == q_idx)
-
-    return mask_mod
-
-
 def ttt_block_mask(document_ids: torch.Tensor, step: int, compile_mask: bool) -> BlockMask:
     """BlockMask of step `step` (KV length S * (step + 1)), broadcast over batch and heads (B=None, H=None).
 
-    Compile on CUDA: uncompiled, create_block_mask materialises the whole Q x KV grid
-    (docs/facts.md#memory-and-flex-attention).
+    Built from the document structure block by block (eagle3.blockmask.document_block_mask): nothing of size
+    [S, S], unlike create_block_mask, which evaluates the mask over the whole Q x KV grid
+    (docs/facts.md#memory-and-flex-attention). `compile_mask` is unused (nothing left to compile); it stays for
+    the callers.
     """
-    seq_len = document_ids.shape[0]
-    return create_block_mask(
-        ttt_mask_mod(document_ids),
-        B=None,
-        H=None,
-        Q_LEN=seq_len,
-        KV_LEN=seq_len * (step + 1),
-        device=document_ids.device,
-        _compile=compile_mask,
-    )
+    del compile_mask
+    return document_block_mask(document_ids, step)
 
 
 _COMPILED_FLEX = None
@@ -358,6 +324,13 @@ class TTTAttention:
         if step not in self._block_masks:
             self._block_masks[step] = ttt_block_mask(self.document_ids, step, self.compiled)
         return self._block_masks[step]
+
+    def to_heads(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """The layout the attention reads: the identity on one rank (eagle3.context.UlyssesAttention: head shards)."""
+        return t
+
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
     def __call__(self, q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
         """q [heads, S, head_dim], each key/value [kv_heads, S, head_dim]; returns [heads, S, head_dim]."""

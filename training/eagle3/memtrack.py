@@ -229,11 +229,13 @@ def measure_drafter_step(
     loss_chunk_size: int = 4096,
     attention: str = "auto",
     autocast: bool = False,
+    context=None,
 ) -> StepMemory:
     """Bytes of one ttt_forward + backward of `model` on `batch`, gradients excluded.
 
     A warm-up step allocates the gradients first (then zeroed, not freed), so the measurement holds what the
     planner calls held + transient: activations, their gradients and temporaries, and nothing static.
+    `context`: this rank's share of a context-parallel row (eagle3.context; `batch` is its shard_row).
     """
     import contextlib
 
@@ -252,6 +254,7 @@ def measure_drafter_step(
                 activation_checkpointing=activation_checkpointing,
                 loss_chunk_size=loss_chunk_size,
                 attention=attention,
+                **({"context": context} if context is not None else {}),
             )
 
     forward()[0].backward()
@@ -261,15 +264,19 @@ def measure_drafter_step(
     return measure_train_step(forward)
 
 
-def measure_planned_step(spec, seq_len: int) -> StepMemory:
+def measure_planned_step(spec, seq_len: int, context=None) -> StepMemory:
     """Measure one forward+backward of the planner's probe step for a resolved spec (eagle3.spec.RunSpec) on the
-    CPU: what the planner's activation model is validated against (tests) and what bench/memory.py prints."""
+    CPU: what the planner's activation model is validated against (tests) and what bench/memory.py prints.
+    `context`: this rank's eagle3.context.ContextShard of a context-parallel run (every rank of its group calls)."""
     from eagle3 import plan
+    from eagle3.context import shard_row
 
     torch.manual_seed(0)
     model, _, batch = plan.build_probe_step(spec, seq_len, torch.device("cpu"))
+    if context is not None:
+        batch = shard_row(batch, context, spec.run.ttt_steps)
     run = spec.run
     return measure_drafter_step(
         model, batch, ttt_steps=run.ttt_steps, autocast=run.autocast, loss_chunk_size=run.loss_chunk_size,
-        activation_checkpointing=run.activation_checkpointing, attention=run.attention,
+        activation_checkpointing=run.activation_checkpointing, attention=run.attention, context=context,
     )  # fmt: skip

@@ -62,6 +62,48 @@ def run_case(rank: int, world: int, cp: int, overrides: dict, keywords: dict) ->
     return {"reference": expected, "context_parallel": got} if shard.index == 0 else None
 
 
+# (name, world size = cp, drafter overrides of the planner's tests' shapes, dtype, activation checkpointing)
+MEMORY_CASES = [
+    ("h96", 2, dict(hidden_size=96, num_heads=6, head_dim=16, intermediate_size=256, draft_vocab_size=768,
+                    target_vocab_size=1536), "fp32", False),
+    ("h128-gqa", 2, dict(hidden_size=128, num_heads=8, head_dim=16, num_kv_heads=2, intermediate_size=320,
+                         draft_vocab_size=1024, target_vocab_size=2048), "fp32", "full"),
+    ("h128-gqa", 4, dict(hidden_size=128, num_heads=8, head_dim=16, num_kv_heads=2, intermediate_size=320,
+                         draft_vocab_size=1024, target_vocab_size=2048), "fp32", "selective"),
+    ("h96-mla", 2, dict(hidden_size=96, num_heads=6, head_dim=16, intermediate_size=256, draft_vocab_size=768,
+                        target_vocab_size=1536, q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=24), "fp32", False),
+    ("h64", 4, dict(hidden_size=64, num_heads=4, head_dim=16, intermediate_size=192, draft_vocab_size=512,
+                    target_vocab_size=1024), "bf16", True),
+]  # fmt: skip
+MEMORY_LEN = 1536
+
+
+def memory_spec(world: int, overrides: dict, dtype: str, ckpt):
+    """The planner's CPU recipe of tests/test_plan.py (exact attention, loss chunks of 256, nothing reserved) at
+    context_parallel = world."""
+    from eagle3.spec import DrafterConfig, spec_for
+
+    drafter = DrafterConfig(**{"aux_layer_ids": (1, 3, 5), **overrides})
+    spec = spec_for(drafter, world_size=world, device="cpu", dtype=dtype, attention="exact", loss_chunk_size=256,
+                    activation_checkpointing=ckpt, ttt_steps=TTT, context_parallel=world)  # fmt: skip
+    spec = dataclasses.replace(spec, reserve_gib=0.0, allocator_factor=1.0)
+    return spec.with_run(frozen_bf16=True) if dtype == "bf16" else spec
+
+
+def measure_memory(rank: int, world: int) -> dict:
+    from eagle3.memtrack import measure_planned_step
+
+    found = {}
+    for name, case_world, overrides, dtype, ckpt in MEMORY_CASES:
+        if case_world != world:
+            continue
+        shard = make_shard(rank, world, world, "cpu")
+        step = measure_planned_step(memory_spec(world, overrides, dtype, ckpt), MEMORY_LEN, shard)
+        found[f"memory/{name}-cp{world}-{dtype}-{ckpt}/rank{rank}"] = {"forward": step.forward, "peak": step.peak}
+    return found
+
+
 def main() -> None:
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
@@ -73,6 +115,7 @@ def main() -> None:
         found = run_case(rank, world, cp, overrides, keywords)
         if found is not None:
             results[f"{name}/row{rank // cp}"] = found
+    results |= measure_memory(rank, world)
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

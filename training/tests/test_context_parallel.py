@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cp_worker import CASES
+from cp_worker import CASES, MEMORY_CASES, MEMORY_LEN, memory_spec
+from eagle3 import plan as P
 from eagle3.context import ContextShard, shard_row
 from eagle3.errors import ConfigError
 from eagle3.spec import DrafterConfig
@@ -75,6 +76,19 @@ def test_context_parallel_matches_one_rank(results, key):
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, atol=TOL, rtol=TOL, msg=name)
         assert grad.abs().max() > 0, f"{name}: a zero gradient proves nothing"
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: f"{c[0]}-cp{c[1]}-{c[3]}-{c[4]}")
+def test_planner_predicts_each_ranks_bytes_within_15_percent(results, case):
+    """eagle3.memtrack on every rank of a context-parallel step (gloo, CPU) against the planner's held bytes at the
+    end of the forward and its peak (held + the largest backward phase, the all-to-all buffers included)."""
+    name, world, overrides, dtype, ckpt = case
+    spec = memory_spec(world, overrides, dtype, ckpt)
+    held, peak = P.activation_bytes(spec, MEMORY_LEN), P.dynamic_bytes(spec, MEMORY_LEN)
+    for rank in range(world):
+        measured = results[f"memory/{name}-cp{world}-{dtype}-{ckpt}/rank{rank}"]
+        assert abs(held / measured["forward"] - 1) <= 0.15, (rank, held, measured)
+        assert abs(peak / measured["peak"] - 1) <= 0.15, (rank, peak, measured)
 
 
 def test_the_rows_of_a_dp_cp_mesh_differ(results):

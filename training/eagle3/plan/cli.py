@@ -4,10 +4,17 @@
     python -m eagle3 plan --shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing
     python -m eagle3 plan --config train.yaml --world-size 8 --memory-gb 96 --json     # what max_seq_len=auto runs
     python -m eagle3 plan --shape kimi-k2.5 --nnodes 2 --nproc-per-node 4 --fsdp --shard-layout hsdp --memory-gb 96
+    python -m eagle3 plan --shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing --fsdp \
+        --context-parallel auto --max-seq-len 131072      # the smallest context-parallel size that fits 131072
 
 Ranks: --world-size alone (one node, as before), or --nnodes with --nproc-per-node (world size = their product;
 a --world-size given too must equal it). --shard-layout hsdp on several nodes shards the FSDP state over the ranks
 of one node only, so each GPU holds larger shards than under full.
+
+--context-parallel N splits each row over N ranks (eagle3.context); auto picks the smallest size whose largest
+fitting length reaches the length asked for: --max-seq-len, else a single --lengths, else the config's max_seq_len,
+else (max_seq_len: auto) the longest document of the data set; without any, 1. The JSON then carries the table of
+every size the run can form (context_parallel_table).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from pathlib import Path
 from eagle3.config import SEQ_BLOCK
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
 from eagle3.options import TTT_STEPS
-from eagle3.plan.fit import Plan, budget_bytes, cpu_heap_chunk, make_plan
+from eagle3.plan.fit import Plan, budget_bytes, context_parallel_choice, cpu_heap_chunk, make_plan
 from eagle3.plan.gpu_probe import ProbeUnavailable, probe
 from eagle3.plan.model import DEFAULT_LENGTHS, GIB
 from eagle3.spec import SHAPE_KEYS, SHAPES, RunSpec, data_bytes_of, drafter_config, spec_of
@@ -36,17 +43,20 @@ SHARED_KEYS = (
     "loss_chunk_size",
     "shard_layout",
     "ttt_steps",
+    "context_parallel",
 )
 
 
 def load_trainer_config(path: str):
-    """The trainer's config file, `max_seq_len: auto` allowed (the planner is what resolves it)."""
+    """The trainer's config file, `max_seq_len: auto` allowed (the planner is what resolves it): (config, whether
+    max_seq_len was auto)."""
     from eagle3.config import build_config, load_config_file
 
     values = load_config_file(path)
-    if str(values.get("max_seq_len", "")).lower() == "auto":
+    auto = str(values.get("max_seq_len", "")).lower() == "auto"
+    if auto:
         values["max_seq_len"] = SEQ_BLOCK
-    return build_config(values, {})
+    return build_config(values, {}), auto
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -117,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     for key in ("dtype", "attention", "shard_layout"):
         p.add_argument("--" + key.replace("_", "-"), choices=config.choices(key), default=None,
                        help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
+    p.add_argument("--context-parallel", type=context_parallel_arg, default=None, metavar="N|auto",
+                   help=f"{config.SPECS['context_parallel'].help}; auto: the smallest that fits the length asked "
+                   f"for {shared}")  # fmt: skip
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="INT",
+                   help="the length --context-parallel auto must fit (default: see above)")  # fmt: skip
     p.add_argument("--loss-chunk-size", type=int, default=None, metavar="INT",
                    help=f"{config.SPECS['loss_chunk_size'].help} {shared}")  # fmt: skip
     p.add_argument(
@@ -137,6 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (the Ansible role parses it)")
     return p
+
+
+def context_parallel_arg(text: str) -> int | str:
+    """--context-parallel: a positive integer or auto.
+
+    >>> context_parallel_arg("4"), context_parallel_arg("AUTO")
+    (4, 'auto')
+    """
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or auto")
+    return value
 
 
 def resolve_ranks(world_size: int | None, nnodes: int, nproc_per_node: int | None) -> tuple[int, int]:
@@ -180,10 +212,12 @@ def spec_from_args(args) -> tuple[RunSpec, float]:
     from eagle3.data import read_index
 
     device = args.device or "cuda"
+    longest, msl_auto = None, False
     if args.config:
-        cfg = load_trainer_config(args.config)
+        cfg, msl_auto = load_trainer_config(args.config)
         index = read_index(cfg.data_dir)
         drafter, data_bytes = drafter_config(cfg, index), data_bytes_of(index)
+        longest = max(index.lengths, default=0)
         memory = cfg.memory_limit_gb or None
         if args.device is None:
             device = cfg.device  # auto: resolved on this machine (the plan runs where the trainer will)
@@ -195,8 +229,11 @@ def spec_from_args(args) -> tuple[RunSpec, float]:
         drafter = dataclasses.replace(drafter, **dims)
     drafter.validate()  # e.g. num_kv_heads must divide num_heads
     cfg = dataclasses.replace(
-        cfg, **{k: getattr(args, k) for k in SHARED_KEYS if getattr(args, k) is not None}
+        cfg, **{k: getattr(args, k) for k in SHARED_KEYS if getattr(args, k) not in (None, "auto")}
     )
+    if args.context_parallel == "auto":
+        cfg = dataclasses.replace(cfg, context_parallel=1)  # chosen once the budget is known (main)
+        args.asked_len = args.max_seq_len or _asked_length(args, cfg if args.config and not msl_auto else None, longest)
     validate(cfg)  # the trainer's own checks of what the command line changed (ttt_steps >= 1, ...)
     spec = spec_of(drafter, cfg, device, args.world_size, args.nnodes, data_bytes)
     if args.reserve_gb is not None:
@@ -207,6 +244,18 @@ def spec_from_args(args) -> tuple[RunSpec, float]:
             "no memory budget: pass --memory-gb (GiB per GPU) or set memory_limit_gb in the config"
         )
     return spec, memory
+
+
+def _asked_length(args, cfg, longest: int | None) -> int | None:
+    """The length --context-parallel auto must fit when --max-seq-len is not given: one --lengths, the max_seq_len
+    of `cfg` (a config whose max_seq_len is not auto), the longest document (rounded up to the row block), or None."""
+    if args.lengths and len(parse_lengths(args.lengths)) == 1:
+        return parse_lengths(args.lengths)[0]
+    if cfg is not None:  # a config whose max_seq_len is a number
+        return cfg.max_seq_len
+    if longest:
+        return -(-longest // SEQ_BLOCK) * SEQ_BLOCK
+    return None
 
 
 def _named_or_given_shape(args):
@@ -235,7 +284,13 @@ def format_table(plan: Plan) -> str:
             if k in ("activation_checkpointing", "fsdp", "autocast", "attention")
         ),
         f"sharding: {plan.shard_layout}"
-        + (f", weights/gradients/AdamW state sharded over {plan.shard_ranks} ranks" if run.sharded else ""),
+        + (f", weights/gradients/AdamW state sharded over {plan.shard_ranks} ranks" if run.sharded else "")
+        + (
+            f"; context parallel {run.context_parallel} (each row over {run.context_parallel} ranks, "
+            f"{run.data_parallel} row{'s' if run.data_parallel > 1 else ''} per step)"
+            if run.context_parallel > 1
+            else ""
+        ),
         f"static {plan.static_gb:.2f} GiB (reserve included); budget {budget:.2f} GiB "
         f"({plan.memory_gb:g} GiB less {plan.margin:.0%})",
         f"{'max_seq_len':>12}  {'predicted GiB':>13}  fits",
@@ -247,6 +302,12 @@ def format_table(plan: Plan) -> str:
     lines.append(
         f"largest fitting: max_seq_len={plan.max_seq_len} ({plan.predicted_gb:.2f} GiB predicted, {plan.source})"
     )
+    for row in plan.context_parallel_table or []:
+        target = f", {row['target_gb']:.1f} GiB at the length asked for" if "target_gb" in row else ""
+        lines.append(
+            f"context_parallel {row['context_parallel']}: largest fitting {row['max_seq_len']}{target}"
+            + (" <- chosen" if row["context_parallel"] == run.context_parallel else "")
+        )
     if plan.loss_chunk_size is not None:
         lines.append(
             f"loss: loss_chunk_size={plan.loss_chunk_size} fits at that length"
@@ -288,8 +349,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.world_size, args.nnodes = resolve_ranks(args.world_size, args.nnodes, args.nproc_per_node)
         spec, memory = spec_from_args(args)
         lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
+        cp_table = None
+        if args.context_parallel == "auto":
+            cp, cp_table = context_parallel_choice(spec, budget_bytes(memory, args.margin), args.asked_len)
+            spec = spec.with_run(context_parallel=cp)
         plan = make_plan(spec, memory_gb=memory, margin=args.margin, lengths=lengths)
-        if args.probe:
+        plan.context_parallel_table = cp_table
+        if args.probe and spec.run.context_parallel > 1:
+            print("probe skipped: it runs one rank, and a context-parallel row needs its group", file=sys.stderr)
+        elif args.probe:
             try:
                 result = probe(
                     spec, memory_gb=memory, margin=args.margin, lengths=parse_lengths(args.probe_lengths),

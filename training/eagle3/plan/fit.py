@@ -4,6 +4,7 @@ role parses, and the fastest memory options (checkpoint mode, loss chunking) tha
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,8 @@ class Plan:
     probe: dict | None = None
     # the loss chunking memory needs at max_seq_len: 0 (one pass, fastest) when it fits, else a chunk size
     loss_chunk_size: int | None = None
+    # context_parallel_choice's table when the context-parallel size was chosen (auto), else None
+    context_parallel_table: list[dict] | None = None
 
     @property
     def shard_layout(self) -> str:
@@ -99,6 +102,9 @@ class Plan:
             "nproc_per_node": run.world_size // run.nodes,
             "shard_layout": self.shard_layout,
             "shard_ranks": self.shard_ranks,
+            "context_parallel": run.context_parallel,
+            "data_parallel": run.data_parallel,
+            "context_parallel_table": self.context_parallel_table,
             "ttt_steps": run.ttt_steps,
             "source": self.source,
             "table": self.table,
@@ -149,7 +155,7 @@ def make_plan(
     for s in lengths:
         peak = predict(s)
         table.append({"max_seq_len": s, "predicted_gb": round(peak / GIB, 3), "fits": peak <= budget})
-    chosen = largest_fitting(predict, budget)
+    chosen = largest_fitting(predict, budget, step=math.lcm(SEQ_BLOCK, spec.run.context_parallel))
     if chosen is None:
         smallest = predict(SEQ_BLOCK) / GIB
         raise ConfigError(
@@ -199,7 +205,7 @@ def loss_chunk_choice(spec: RunSpec, seq_len: int, budget: int):
     >>> from eagle3.spec import spec_for
     >>> kimi = SHAPES["kimi-k2.5"]
     >>> on = on_cuda(kimi, world_size=8, activation_checkpointing=True, fsdp=True)
-    >>> loss_chunk_choice(on, 8192, budget_bytes(141, 0.1)), loss_chunk_choice(on, 145280, budget_bytes(141, 0.1))
+    >>> loss_chunk_choice(on, 8192, budget_bytes(141, 0.1)), loss_chunk_choice(on, 145024, budget_bytes(141, 0.1))
     (0, 4096)
     >>> cpu = spec_for(DrafterConfig(64, 4, 16, 192, 512, 1024), device="cpu")
     >>> cpu = dataclasses.replace(cpu, reserve_gib=1.0, allocator_factor=1.0)
@@ -233,3 +239,65 @@ def memory_options_choice(spec: RunSpec, seq_len: int, budget: int) -> tuple[str
         if chunk is not None:
             return mode, chunk
     return None
+
+
+def context_parallel_sizes(spec: RunSpec, seq_len: int | None = None) -> list[int]:
+    """The context-parallel sizes the run can form: divisors of the world size that split the heads
+    (DrafterConfig.context_heads) and, given, the row length.
+
+    >>> from eagle3.plan.model import on_cuda
+    >>> context_parallel_sizes(on_cuda(SHAPES["kimi-k2.5"], world_size=8))
+    [1, 2, 4, 8]
+    >>> context_parallel_sizes(on_cuda(DrafterConfig(64, 6, 16, 128, 512, 1024), world_size=8))
+    [1, 2]
+    """
+    world = spec.run.world_size
+    sizes = []
+    for cp in range(1, world + 1):
+        if world % cp or (seq_len and seq_len % cp):
+            continue
+        try:
+            spec.drafter.context_heads(cp)
+        except ConfigError:
+            continue
+        sizes.append(cp)
+    return sizes
+
+
+def context_parallel_choice(
+    spec: RunSpec, budget: int, target: int | None
+) -> tuple[int, list[dict]]:
+    """`context_parallel: auto`: the smallest size whose largest fitting length reaches `target` (the length asked
+    for: an explicit max_seq_len, or under max_seq_len auto the longest document), else the largest size (the
+    longest rows); with no target, 1. Returns (size, table): per size the largest fitting length and its peak.
+
+    Kimi-K2.5's drafter shape, 5 TTT steps, 8 GPUs of 96 GiB, activation checkpointing and FSDP2: 32768 tokens fit
+    without context parallelism, 131072 need 2 ranks per row.
+
+    >>> from eagle3.plan.model import on_cuda
+    >>> kimi = on_cuda(SHAPES["kimi-k2.5"], world_size=8, activation_checkpointing=True, fsdp=True)
+    >>> budget = budget_bytes(96, 0.1)
+    >>> context_parallel_choice(kimi, budget, 32768)[0], context_parallel_choice(kimi, budget, 131072)[0]
+    (1, 2)
+    >>> [(row["context_parallel"], row["max_seq_len"]) for row in context_parallel_choice(kimi, budget, None)[1]]
+    [(1, 93056), (2, 185216), (4, 363648), (8, 680704)]
+    """
+    table = []
+    for cp in context_parallel_sizes(spec, target):
+        candidate = spec.with_run(context_parallel=cp)
+        largest = largest_fitting(lambda s, c=candidate: predict_peak_bytes(c, s), budget, step=math.lcm(SEQ_BLOCK, cp))
+        row = {"context_parallel": cp, "max_seq_len": largest,
+               "predicted_gb": round(predict_peak_bytes(candidate, largest) / GIB, 3) if largest else None}  # fmt: skip
+        if target:
+            peak = predict_peak_bytes(candidate, target)
+            row |= {"target_gb": round(peak / GIB, 3), "fits_target": peak <= budget}
+        table.append(row)
+    if not table:
+        raise ConfigError(
+            f"no context_parallel size fits {spec.run.world_size} ranks, {spec.drafter.num_heads} heads"
+            + (f" and max_seq_len={target}" if target else "")
+        )
+    if not target:
+        return 1, table
+    fitting = [row["context_parallel"] for row in table if row["fits_target"]]
+    return (fitting[0] if fitting else table[-1]["context_parallel"]), table

@@ -33,7 +33,7 @@ from eagle3.spec import (
 )
 
 GIB = 1 << 30
-MAX_SEARCH_LEN = 262144
+MAX_SEARCH_LEN = 1048576
 DEFAULT_LENGTHS = (4096, 8192, 16384, 24576, 32768, 49152, 65536)
 # Query block of the exact (CPU) attention path: eagle3.attention.DEFAULT_BLOCK_SIZE (not imported: torch).
 EXACT_BLOCK = 256
@@ -45,6 +45,40 @@ def on_cuda(
     """A drafter on CUDA under trainer config keys, the trainer's defaults otherwise (bf16 autocast, flex attention,
     no checkpointing, loss chunks of 4096): the examples here use it."""
     return spec_for(drafter, world_size, nodes, data_bytes, device="cuda", **config)
+
+
+# ----------------------------------------------------------------------------------------------- context parallel
+
+
+def local_len(spec: RunSpec, seq_len: int) -> int:
+    """Slots of the row one rank holds: max_seq_len / context_parallel (eagle3.context)."""
+    return seq_len // spec.run.context_parallel
+
+
+def kv_width(spec: RunSpec) -> int:
+    """Numbers per local slot of one key (or value) tensor in the attention's layout. Without context parallelism the
+    key heads' width; with it a rank holds kv_heads/cp heads over the whole row, or one repeated head when cp is
+    larger (MLA: the whole latent on every rank), so per local slot max(kv_heads, cp) heads.
+
+    >>> llama = on_cuda(DrafterConfig(4096, 32, 128, 14336, 32000, 128256, num_kv_heads=8), 8, context_parallel=8)
+    >>> kv_width(llama) == 8 * 128, kv_width(on_cuda(SHAPES["kimi-k2.5-mla"], 8, context_parallel=8)) == 8 * 576
+    (True, True)
+    """
+    d, cp = spec.drafter, spec.run.context_parallel
+    if d.mla is not None:
+        return cp * d.mla.latent_dim
+    return max(d.num_kv_heads, cp) * d.head_dim
+
+
+def all_to_all_bytes(spec: RunSpec, seq_len: int) -> int:
+    """The backward's exchanges at the attention (eagle3.context): the gradients of q, k and v sent back to the
+    sequence layout, each as a contiguous send copy and a receive buffer at once; 0 without context parallelism."""
+    if spec.run.context_parallel == 1:
+        return 0
+    d, s = spec.drafter, local_len(spec, seq_len)
+    q = d.mla.num_heads * d.mla.latent_dim if d.mla is not None else d.attention_dim
+    kv = kv_width(spec) if d.mla is not None else 2 * kv_width(spec)
+    return 2 * s * (q + kv) * spec.act_bytes
 
 
 # ----------------------------------------------------------------------------------------------- static
@@ -115,8 +149,13 @@ def batch_bytes(spec: RunSpec, seq_len: int) -> int:
 
     >>> batch_bytes(on_cuda(SHAPES["tiny"], data_bytes=4), 128) == 128 * (8 * 3 + 1 + 4 * 4 * 64)
     True
+
+    Context parallelism: the id vectors whole, the hidden states of this rank's slots (last_hidden with the
+    ttt_steps slots of the halo).
     """
-    return seq_len * (3 * 8 + 1 + spec.data_bytes * 4 * spec.drafter.hidden_size)
+    s, h = local_len(spec, seq_len), spec.drafter.hidden_size
+    halo = spec.run.ttt_steps if spec.run.context_parallel > 1 else 0
+    return seq_len * (3 * 8 + 1) + spec.data_bytes * h * (4 * s + halo)
 
 
 # ----------------------------------------------------------------------------------------------- activations
@@ -135,7 +174,7 @@ def step_held_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
         spec.drafter.intermediate_size,
         spec.drafter.num_heads,
     )
-    lp, fb, s = spec.act_bytes, spec.frozen_bytes, seq_len
+    lp, fb, s = spec.act_bytes, spec.frozen_bytes, local_len(spec, seq_len)
     ac = spec.run.autocast
     casts = input_casts(spec)
     post_out = 4 * h if not spec.bf16_params else lp * h
@@ -159,10 +198,10 @@ def step_held_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
         terms |= mla_held_terms(spec, seq_len, step)
     elif spec.run.attention == "exact":
         # q, k, v, out (k, v are also the cache of later steps); keys and values are kv_heads wide (GQA)
-        terms["attention"] = s * (2 * a + 2 * spec.drafter.kv_dim) * lp
+        terms["attention"] = s * (2 * a + 2 * kv_width(spec)) * lp
     else:
         # flex saves q, the K/V concatenated over steps 0..step, its output, and o_proj saves the [S, A] copy
-        terms["attention"] = s * (3 * a + 2 * (step + 1) * spec.drafter.kv_dim) * lp
+        terms["attention"] = s * (3 * a + 2 * (step + 1) * kv_width(spec)) * lp
     if step and spec.drafter.norm_output:
         terms["norm_output"] = norm_output_bytes(spec, seq_len)
     return terms
@@ -177,9 +216,10 @@ def input_casts(spec: RunSpec) -> int:
     return 3 if spec.drafter.mla is None else 2
 
 
-def cache_width(d: DrafterConfig) -> int:
-    """Numbers per token a TTT step keeps for the later steps: its K and V (kv_heads wide), or MLA's one latent."""
-    return d.mla.latent_dim if d.mla is not None else 2 * d.kv_dim
+def cache_width(spec: RunSpec) -> int:
+    """Numbers per local slot a TTT step keeps for the later steps: its K and V (kv_heads wide), or MLA's one latent
+    (kv_width: their layout under context parallelism)."""
+    return kv_width(spec) if spec.drafter.mla is not None else 2 * kv_width(spec)
 
 
 def kept_matmul_width(d: DrafterConfig) -> int:
@@ -220,10 +260,10 @@ def mla_held_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
     attention's output (saved again, as a view, by the einsum out of the latent); o_proj's input.
     """
     d, m = spec.drafter, spec.drafter.mla
-    lp, s, heads = spec.act_bytes, seq_len, m.num_heads
+    lp, s, heads = spec.act_bytes, local_len(spec, seq_len), m.num_heads
     q_low = (FP32 + 2 * lp) * m.q_lora_rank if m.q_lora_rank else 0
     latent_norm = (FP32 * m.kv_lora_rank if spec.run.autocast else FP32 * m.latent_dim) + lp * m.kv_lora_rank
-    keys = m.latent_dim * (1 if spec.run.attention == "exact" else step + 1)
+    keys = kv_width(spec) * (1 if spec.run.attention == "exact" else step + 1)
     per_token = (
         q_low + lp * heads * m.qk_head_dim + lp * heads * m.latent_dim + latent_norm + lp * keys
         + lp * heads * m.latent_dim + lp * heads * m.v_head_dim
@@ -236,14 +276,15 @@ def attention_grad_bytes(spec: RunSpec, seq_len: int, k: int) -> int:
     and values (fp32 accumulators in the exact path, with its per-block tensors; the flex outputs and the rotary
     fp32 intermediates on CUDA). MLA: heads of latent width against one latent per step, passed as keys and as
     values (two gradients, summed)."""
-    d, s, lp = spec.drafter, seq_len, spec.act_bytes
+    d, s, lp = spec.drafter, local_len(spec, seq_len), spec.act_bytes
     m = d.mla
     if m is None:
-        q, kv, rot = d.attention_dim, d.kv_dim, d.attention_dim + d.kv_dim
+        q, kv, rot = d.attention_dim, kv_width(spec), d.attention_dim + d.kv_dim
     else:
-        q, kv, rot = m.num_heads * m.latent_dim, m.latent_dim, (m.num_heads + 1) * m.qk_rope_head_dim
-    if spec.run.attention == "exact":
-        return s * (q + (2 + 2 * k) * kv) * FP32 + FP32 * d.num_heads * exact_block_elements(s)
+        q, kv, rot = m.num_heads * m.latent_dim, kv_width(spec), (m.num_heads + 1) * m.qk_rope_head_dim
+    if spec.run.attention == "exact":  # the blocks span the whole row, for this rank's share of the heads
+        heads = d.num_heads // spec.run.context_parallel
+        return s * (q + (2 + 2 * k) * kv) * FP32 + FP32 * heads * exact_block_elements(seq_len)
     return s * (q + 2 * (k + 1) * kv) * lp + s * FP32 * rot
 
 
@@ -251,12 +292,12 @@ def norm_output_bytes(spec: RunSpec, seq_len: int) -> int:
     """norm_output (EAGLE 3.1): the RMSNorm a step after the first applies to the hidden state it reads, outside
     any checkpoint: its fp32 input copy (an alias without autocast), the normed tensor and its fp32 output."""
     h, lp = spec.drafter.hidden_size, spec.act_bytes
-    return seq_len * ((FP32 * h if spec.run.autocast else 0) + lp * h + FP32 * h)
+    return local_len(spec, seq_len) * ((FP32 * h if spec.run.autocast else 0) + lp * h + FP32 * h)
 
 
 def once_held_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     """Bytes held once per row, not per step: fc's saved input and output, autocast's weight copies."""
-    h, s, lp = spec.drafter.hidden_size, seq_len, spec.act_bytes
+    h, s, lp = spec.drafter.hidden_size, local_len(spec, seq_len), spec.act_bytes
     # autocast saves its bf16 cast of aux_hidden; without autocast, fc's .to(fp32) copy unless already fp32
     no_copy = spec.data_bytes == (2 if spec.bf16_params else FP32)
     if spec.bf16_params:  # aux_hidden (bf16 data) goes into fc as it is: the batch itself is saved
@@ -283,13 +324,13 @@ def once_held_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
 
 def checkpointed_step_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
     """What a step keeps with activation checkpointing: the inputs and outputs of its checkpoint."""
-    s, lp = seq_len, spec.act_bytes
+    s, lp = local_len(spec, seq_len), spec.act_bytes
     return {
         "step_output": s * lp * spec.drafter.hidden_size,
         # this step's K/V, needed by later steps (the last step's are dropped at once)
-        "kv_cache": s * cache_width(spec.drafter) * lp if step < spec.run.ttt_steps - 1 else 0,
+        "kv_cache": s * cache_width(spec) * lp if step < spec.run.ttt_steps - 1 else 0,
         "rope_tables": s * 2 * FP32 * spec.drafter.rope_dim,
-        "token_ids": s * 8,
+        "token_ids": seq_len * 8,  # the shifted ids of the whole row (a rank's slots are a view of them)
         "loss_weight": s * FP32,
         "loss_grad": s
         * lp
@@ -306,11 +347,15 @@ def activation_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
         if mode != "none":
             step_terms = checkpointed_step_terms(spec, seq_len, step)
             if mode == "selective":  # eagle3.model SAVED_OPS: the outputs of the layer's matmuls
-                step_terms["kept_matmuls"] = seq_len * spec.act_bytes * kept_matmul_width(spec.drafter)
+                step_terms["kept_matmuls"] = (
+                    local_len(spec, seq_len) * spec.act_bytes * kept_matmul_width(spec.drafter)
+                )
         else:
             step_terms = step_held_terms(spec, seq_len, step)
         for name, value in step_terms.items():
             terms[name] = terms.get(name, 0) + value
+    if spec.run.attention == "flex":  # every step's BlockMask, held through the forward and the backward
+        terms["block_masks"] = block_mask_bytes(seq_len, spec.run.ttt_steps)
     return terms
 
 
@@ -387,7 +432,7 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     With activation checkpointing the step's forward is recomputed first: its saved tensors come on top.
     """
     h, a, i = spec.drafter.hidden_size, spec.drafter.attention_dim, spec.drafter.intermediate_size
-    lp, s, k = spec.act_bytes, seq_len, spec.run.ttt_steps - 1
+    lp, s, k = spec.act_bytes, local_len(spec, seq_len), spec.run.ttt_steps - 1
     chunk = min(spec.run.loss_chunk_size or s, s)
     grad_h = s * lp * h
     one_pass = (
@@ -397,7 +442,7 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     loss_chunk = 4 * FP32 * chunk * spec.drafter.draft_vocab_size + shared
     last = step_held_terms(spec, seq_len, k)
     mlp_phase = 2 * grad_h + s * 3 * i * lp
-    attn = attention_grad_bytes(spec, s, k)
+    attn = attention_grad_bytes(spec, seq_len, k)
     # Weight gradients: every TTT step adds into the same per-weight gradient buffer (in the matmul dtype: under
     # autocast the bf16 weight copy collects them before the cast back to fp32), which is passed on only after
     # the last use; so a phase holds the buffers of the weights already reached, plus one new weight gradient.
@@ -405,7 +450,7 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     m = spec.drafter.mla
     mlp_o = 3 * h * i + (m.num_heads * m.v_head_dim * h if m else a * h)
     largest = max(largest_attention_weight(spec.drafter), h * i)
-    attn_phase = grad_h + attn - last["mlp"] - last["norm_post"]
+    attn_phase = grad_h + attn + all_to_all_bytes(spec, seq_len) - last["mlp"] - last["norm_post"]
     # the attention's input gradients: one per cast copy of the concat, summed in fp32 (attention tensors freed)
     casts = input_casts(spec)
     qkv_phase = grad_h + s * 2 * h * (casts * lp + FP32) - last["mlp"] - last["norm_post"] - last["attention"]
@@ -467,3 +512,24 @@ def breakdown(spec: RunSpec, seq_len: int) -> dict:
         "allocator_factor": spec.allocator_factor,
         "peak": round(predict_peak_bytes(spec, seq_len) / GIB, 3),
     }
+
+
+def block_mask_bytes(seq_len: int, ttt_steps: int, block: int = 128) -> int:
+    """Bytes of the flex BlockMasks of all TTT steps, held together (TTTAttention keeps every step's mask for the
+    whole forward and backward); eagle3.blockmask builds them.
+
+    Step k has nQ = ceil(S / block) query blocks and nKV = ceil(S * (k + 1) / block) key blocks; its int32 tensors
+    are kv_indices and full_kv_indices [nQ, nKV], their transposes q_indices and full_q_indices [nKV, nQ]
+    (BlockMask.from_kv_blocks), and the four block counts ([nQ] twice, [nKV] twice).
+
+    >>> [round(block_mask_bytes(s, 5) / 2**20, 1) for s in (32768, 131072, 262144)]  # MiB
+    [15.0, 240.2, 960.3]
+    >>> block_mask_bytes(32768, 5), block_mask_bytes(131072, 5), block_mask_bytes(262144, 5)
+    (15769600, 251822080, 1006960640)
+    """
+    n_q = -(-seq_len // block)
+    total = 0
+    for step in range(ttt_steps):
+        n_kv = -(-seq_len * (step + 1) // block)
+        total += 4 * (4 * n_q * n_kv + 2 * (n_q + n_kv))
+    return total
