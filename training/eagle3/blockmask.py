@@ -69,8 +69,6 @@ def ttt_mask_mod(document_ids: torch.Tensor):
     return mask_mod
 
 
-
-
 def _ceil_div(x, d: int):
     return -(-x // d)
 

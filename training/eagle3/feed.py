@@ -44,7 +44,9 @@ class RowPrefetcher:
         self.max_seq_len = max_seq_len
         self.pin_memory = pin_memory
         self.depth = depth
-        self.share = share  # row -> this rank's share of it (eagle3.context.shard_row), or None: the whole row
+        self.share = (
+            share  # row -> this rank's share of it (eagle3.context.shard_row), or None: the whole row
+        )
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-fetch")
         self.pending: list[tuple[tuple[int, int], Future]] = []  # oldest first, at most `depth`
         # the step's row, one spare, `depth` queued: a read never lands in the row the caller holds

@@ -121,7 +121,9 @@ class Trainer:
         self.train_ids: list[int] = []
         self.val_ids: list[int] = []
         self.spec: RunSpec | None = None  # the drafter's shape and the run options, resolved for this device
-        self.context = SINGLE  # build_model: this rank's share of a row under context parallelism (eagle3.context)
+        self.context = (
+            SINGLE  # build_model: this rank's share of a row under context parallelism (eagle3.context)
+        )
         self._plans: dict[int, EpochPlan] = {}  # the two epoch plans last asked for (plan)
         # build_model: the drafter, what a step calls (DDP around it, or FSDP-sharded), optimizer and schedule
         self.model: Eagle3Drafter | None = None
@@ -411,7 +413,10 @@ class Trainer:
         self.model.train()
         stopped = False
         prefetch = RowPrefetcher(
-            cfg.data_dir, cfg.max_seq_len, pin_memory=info.device.type == "cuda", depth=cfg.prefetch_depth,
+            cfg.data_dir,
+            cfg.max_seq_len,
+            pin_memory=info.device.type == "cuda",
+            depth=cfg.prefetch_depth,
             share=lambda row: shard_row(row, self.context, cfg.ttt_steps),
         )
         hang_at = fault_hang_step(info.rank)  # tests only: EAGLE3_FAULT_HANG_AT_STEP
@@ -429,7 +434,9 @@ class Trainer:
             stats, seconds = self.train_step(row, real, state.step + 1, fetch_started=t0)
             if real:
                 acc.add_stats(stats)
-            first = self.context.index == 0  # a row counts once, on the first rank of its context-parallel group
+            first = (
+                self.context.index == 0
+            )  # a row counts once, on the first rank of its context-parallel group
             acc.add_scalars(tokens=tokens, rows=1 if real and first else 0, steps=1, **seconds)
             if record_file is not None:
                 record_file.write(

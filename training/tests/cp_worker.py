@@ -22,7 +22,9 @@ SEQ = 64
 ROWS = ([20, 9, 25], [7, 30, 17, 6])  # several documents per row, then padding to SEQ
 
 GQA = dict(num_heads=4, num_kv_heads=2)
-MLA = dict(num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+MLA = dict(
+    num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12
+)
 # (name, world size, cp, drafter overrides, trainer keywords)
 CASES = [
     ("gqa-cp2", 2, 2, GQA, {}),
@@ -100,7 +102,10 @@ def measure_memory(rank: int, world: int) -> dict:
             continue
         shard = make_shard(rank, world, world, "cpu")
         step = measure_planned_step(memory_spec(world, overrides, dtype, ckpt), MEMORY_LEN, shard)
-        found[f"memory/{name}-cp{world}-{dtype}-{ckpt}/rank{rank}"] = {"forward": step.forward, "peak": step.peak}
+        found[f"memory/{name}-cp{world}-{dtype}-{ckpt}/rank{rank}"] = {
+            "forward": step.forward,
+            "peak": step.peak,
+        }
     return found
 
 

@@ -24,14 +24,20 @@ TOL = 1e-5
 
 def run_ranks(world: int, tmp_path: Path) -> dict:
     """Start `world` worker processes, wait for each by PID, and return rank 0's results merged with the others'."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     env["OMP_NUM_THREADS"] = "1"
     store = tmp_path / f"store{world}"
+    argv = [sys.executable, str(HERE / "cp_worker.py")]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "cp_worker.py"), str(r), str(world), str(store), str(tmp_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [*argv, str(r), str(world), str(store), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for r in range(world)
     ]
     outputs = []

@@ -90,7 +90,7 @@ def runs(tmp_path_factory):
 
 
 def test_a_row_split_over_two_ranks_trains_as_one_process(runs):
-    tmp, data, reference, split, log = runs
+    _, _, reference, split, log = runs
     assert "context parallel: each row split over 2 ranks" in log
     status = read_status(split)
     assert (status["world_size"], status["context_parallel"], status["data_parallel"]) == (2, 2, 1)

@@ -233,7 +233,9 @@ def spec_from_args(args) -> tuple[RunSpec, float]:
     )
     if args.context_parallel == "auto":
         cfg = dataclasses.replace(cfg, context_parallel=1)  # chosen once the budget is known (main)
-        args.asked_len = args.max_seq_len or _asked_length(args, cfg if args.config and not msl_auto else None, longest)
+        args.asked_len = args.max_seq_len or _asked_length(
+            args, cfg if args.config and not msl_auto else None, longest
+        )
     validate(cfg)  # the trainer's own checks of what the command line changed (ttt_steps >= 1, ...)
     spec = spec_of(drafter, cfg, device, args.world_size, args.nnodes, data_bytes)
     if args.reserve_gb is not None:
@@ -356,7 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = make_plan(spec, memory_gb=memory, margin=args.margin, lengths=lengths)
         plan.context_parallel_table = cp_table
         if args.probe and spec.run.context_parallel > 1:
-            print("probe skipped: it runs one rank, and a context-parallel row needs its group", file=sys.stderr)
+            print(
+                "probe skipped: it runs one rank, and a context-parallel row needs its group", file=sys.stderr
+            )
         elif args.probe:
             try:
                 result = probe(

@@ -264,9 +264,7 @@ def context_parallel_sizes(spec: RunSpec, seq_len: int | None = None) -> list[in
     return sizes
 
 
-def context_parallel_choice(
-    spec: RunSpec, budget: int, target: int | None
-) -> tuple[int, list[dict]]:
+def context_parallel_choice(spec: RunSpec, budget: int, target: int | None) -> tuple[int, list[dict]]:
     """`context_parallel: auto`: the smallest size whose largest fitting length reaches `target` (the length asked
     for: an explicit max_seq_len, or under max_seq_len auto the longest document), else the largest size (the
     longest rows); with no target, 1. Returns (size, table): per size the largest fitting length and its peak.
@@ -285,7 +283,9 @@ def context_parallel_choice(
     table = []
     for cp in context_parallel_sizes(spec, target):
         candidate = spec.with_run(context_parallel=cp)
-        largest = largest_fitting(lambda s, c=candidate: predict_peak_bytes(c, s), budget, step=math.lcm(SEQ_BLOCK, cp))
+        largest = largest_fitting(
+            lambda s, c=candidate: predict_peak_bytes(c, s), budget, step=math.lcm(SEQ_BLOCK, cp)
+        )
         row = {"context_parallel": cp, "max_seq_len": largest,
                "predicted_gb": round(predict_peak_bytes(candidate, largest) / GIB, 3) if largest else None}  # fmt: skip
         if target:
