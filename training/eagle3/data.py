@@ -295,17 +295,22 @@ class DatasetReader:
         return shard, out
 
     @staticmethod
-    def _read_field(shard: ShardFile, entry, rows: int, dest: torch.Tensor) -> None:
-        """`rows` rows of a field into `dest`, dequantizing an 8-bit one (entry = (values, scales))."""
+    def _read_field(shard: ShardFile, entry, rows: int, dest: torch.Tensor, first: int = 0) -> None:
+        """Rows first .. first + rows - 1 of a field into `dest`, dequantizing an 8-bit one (entry = (values,
+        scales)) and converting one stored in another dtype (never written by DatasetWriter) as build_row does."""
         if isinstance(entry, tuple):
             values, scales = entry
             q = torch.empty((rows, *values.shape[1:]), dtype=FP8)
             scale = torch.empty((rows, scales.shape[1]), dtype=torch.float32)
-            shard.read_rows(values, rows, q)
-            shard.read_rows(scales, rows, scale)
+            shard.read_rows(values, rows, q, first)
+            shard.read_rows(scales, rows, scale, first)
             dest.copy_(dequantize_fp8(q, scale, dest.dtype))
-            return
-        shard.read_rows(entry, rows, dest)
+        elif entry.dtype != dest.dtype:
+            tmp = torch.empty((rows, *entry.shape[1:]), dtype=entry.dtype)
+            shard.read_rows(entry, rows, tmp, first)
+            dest.copy_(tmp.to(torch.bool) if dest.dtype == torch.bool else tmp)
+        else:
+            shard.read_rows(entry, rows, dest, first)
 
     def sample(self, sample_id: int, max_len: int | None = None) -> dict[str, torch.Tensor]:
         """One sample's tensors, truncated to `max_len` tokens if given (reads only the kept rows)."""
@@ -327,10 +332,15 @@ class DatasetReader:
         max_seq_len: int,
         pin_memory: bool = False,
         out: dict[str, torch.Tensor] | None = None,
+        held: tuple[int, int, int] | None = None,
     ) -> dict[str, torch.Tensor]:
         """`build_row([self.sample(i, max_seq_len) for i in sample_ids], max_seq_len, hidden_size)`, byte for
         byte, read straight into the row's tensors (pinned when `pin_memory`): no per-sample tensors, no
         second copy, and only the padding is zeroed.
+
+        `held` = (a, b, end), a context-parallel rank's share (eagle3.context.ContextShard.held): aux_hidden of the
+        slots [a, b) and last_hidden of [a, end) only, read from the files (eagle3.context.shard_row of the whole
+        row, byte for byte); the per-slot id vectors whole.
 
         `out`, a row this method returned before, is overwritten in full and returned when its shapes and
         dtypes fit (a fresh row otherwise): reusing buffers spares the page faults (or pinned allocations) of
@@ -338,6 +348,9 @@ class DatasetReader:
         if not sample_ids:
             raise ValueError("read_row needs at least one sample id")
         s, h = max_seq_len, self.index.hidden_size
+        a, b, end = held or (0, s, s)
+        # the slots of the row each hidden field holds
+        spans = {"aux_hidden": (a, b), "last_hidden": (a, end)}
         plan = []
         pos = 0
         for i in sample_ids:
@@ -356,8 +369,8 @@ class DatasetReader:
         layout = {
             "input_ids": ((s,), torch.long),  # [S]
             "loss_mask": ((s,), torch.bool),  # [S]
-            "aux_hidden": ((s, 3 * h), dtype),  # [S, 3H]
-            "last_hidden": ((s, h), dtype),  # [S, H]
+            "aux_hidden": ((b - a, 3 * h), dtype),  # [S, 3H] (held: [b - a, 3H])
+            "last_hidden": ((end - a, h), dtype),  # [S, H] (held: [end - a, H])
             "document_ids": ((s,), torch.long),  # [S]
             "position_ids": ((s,), torch.long),  # [S]
         }
@@ -373,22 +386,21 @@ class DatasetReader:
         mask_bytes = row["loss_mask"].view(torch.uint8)
         for doc, (_i, start, n, shard, entries) in enumerate(plan):
             for name, entry in entries:
-                dest = mask_bytes if name == "loss_mask" else row[name]
-                if isinstance(entry, tuple):  # 8-bit: dequantized into the row
-                    self._read_field(shard, entry, n, dest[start : start + n])
+                base, stop = spans.get(name, (0, s))  # the slots of the row this field holds
+                lo, hi = max(base, start), min(stop, start + n)  # this document's among them
+                if hi <= lo:
                     continue
-                if entry.dtype != (torch.uint8 if name == "loss_mask" else dest.dtype):
-                    # A field stored in another dtype (never written by DatasetWriter): convert like build_row.
-                    tmp = torch.empty((n, *entry.shape[1:]), dtype=entry.dtype)
-                    shard.read_rows(entry, n, tmp)
-                    row[name][start : start + n] = tmp.to(torch.bool) if name == "loss_mask" else tmp
-                    continue
-                shard.read_rows(entry, n, dest[start : start + n])
+                dest = row[name]
+                if name == "loss_mask" and not isinstance(entry, tuple) and entry.dtype == torch.uint8:
+                    dest = mask_bytes  # stored as bytes: read into the bool mask's bytes, no conversion
+                self._read_field(shard, entry, hi - lo, dest[lo - base : hi - base], lo - start)
             row["document_ids"][start : start + n] = doc
             torch.arange(n, out=row["position_ids"][start : start + n])
         mask_bytes[:pos].clamp_(max=1)  # any nonzero byte is True, as .to(torch.bool) makes it
-        for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids"):
+        for name in ("input_ids", "loss_mask", "position_ids"):
             row[name][pos:] = 0
+        for name, (lo, _) in spans.items():
+            row[name][max(pos - lo, 0) :] = 0
         row["document_ids"][pos:] = -1
         return row
 

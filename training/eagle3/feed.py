@@ -37,16 +37,17 @@ class RowPrefetcher:
     returns (the trainer uses it for one step). Errors (bad shard, out of memory) surface in `get`.
     """
 
-    def __init__(self, data_dir: str, max_seq_len: int, pin_memory: bool, depth: int = 1, share=None):
+    def __init__(
+        self, data_dir: str, max_seq_len: int, pin_memory: bool, depth: int = 1, held: tuple | None = None
+    ):
         if depth < 1:
             raise ValueError(f"prefetch depth {depth} must be at least 1")
         self.reader = DatasetReader(data_dir)
         self.max_seq_len = max_seq_len
         self.pin_memory = pin_memory
         self.depth = depth
-        self.share = (
-            share  # row -> this rank's share of it (eagle3.context.shard_row), or None: the whole row
-        )
+        # a context-parallel rank's share of each row (DatasetReader.read_row); None: all of it
+        self.held = held
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-fetch")
         self.pending: list[tuple[tuple[int, int], Future]] = []  # oldest first, at most `depth`
         # the step's row, one spare, `depth` queued: a read never lands in the row the caller holds
@@ -59,11 +60,13 @@ class RowPrefetcher:
         real = bool(sample_ids)
         ids = sample_ids if real else [filler_id]
         slot, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
-        row = self.reader.read_row(ids, self.max_seq_len, pin_memory=self.pin_memory, out=self.buffers[slot])
+        row = self.reader.read_row(
+            ids, self.max_seq_len, pin_memory=self.pin_memory, out=self.buffers[slot], held=self.held
+        )
         self.buffers[slot] = row
         if not bool(row["loss_mask"].any()):
             real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
-        return (self.share(row) if self.share else row), real
+        return row, real
 
     def scheduled(self, key: tuple[int, int]) -> bool:
         return any(k == key for k, _ in self.pending)

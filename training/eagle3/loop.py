@@ -26,7 +26,7 @@ from eagle3 import distributed as dist_utils
 from eagle3 import options
 from eagle3.checkpointer import Checkpointer
 from eagle3.config import SEQ_BLOCK, TrainConfig
-from eagle3.context import SINGLE, data_parallel_rank, make_shard, shard_row
+from eagle3.context import SINGLE, data_parallel_rank, make_shard
 from eagle3.data import DatasetReader
 from eagle3.errors import (
     EXIT_OK,
@@ -50,7 +50,7 @@ from eagle3.metrics import (
 from eagle3.model import Eagle3Drafter, ttt_forward
 from eagle3.nodes import NODE_ROWS, node_fields, own_column
 from eagle3.observe import ProgressLine
-from eagle3.packing import EpochPlan, build_row, plan_epoch, split_train_val
+from eagle3.packing import EpochPlan, plan_epoch, split_train_val
 from eagle3.process import StopRequested, inject_oom
 from eagle3.spec import DrafterConfig, RunSpec, resolve_spec
 from eagle3.watchdog import Watchdog, fault_hang_step, injected_hang
@@ -121,9 +121,7 @@ class Trainer:
         self.train_ids: list[int] = []
         self.val_ids: list[int] = []
         self.spec: RunSpec | None = None  # the drafter's shape and the run options, resolved for this device
-        self.context = (
-            SINGLE  # build_model: this rank's share of a row under context parallelism (eagle3.context)
-        )
+        self.context = SINGLE  # build_model: this rank's share of a row (context parallelism, eagle3.context)
         self._plans: dict[int, EpochPlan] = {}  # the two epoch plans last asked for (plan)
         # build_model: the drafter, what a step calls (DDP around it, or FSDP-sharded), optimizer and schedule
         self.model: Eagle3Drafter | None = None
@@ -306,14 +304,16 @@ class Trainer:
         reader = reader or self.reader
         real = bool(sample_ids)
         ids = sample_ids if real else [filler_id]
-        samples = [reader.sample(i, self.cfg.max_seq_len) for i in ids]
-        row = build_row(samples, self.cfg.max_seq_len, reader.index.hidden_size)
+        # pinned on CUDA: the copy to the GPU runs asynchronously; a context-parallel rank reads its share only
+        pin = self.info.device.type == "cuda"
+        row = reader.read_row(ids, self.cfg.max_seq_len, pin_memory=pin, held=self.held_slots())
         if not bool(row["loss_mask"].any()):
             real = False  # nothing supervised (all prompt): the loss is 0, the step keeps ranks in step
-        row = shard_row(row, self.context, self.cfg.ttt_steps)
-        if self.info.device.type == "cuda":
-            row = {k: v.pin_memory() for k, v in row.items()}  # lets the copy to the GPU run asynchronously
         return row, real
+
+    def held_slots(self) -> tuple[int, int, int] | None:
+        """The slots of a row this rank reads (eagle3.context); None: the whole row."""
+        return self.context.held(self.cfg.max_seq_len, self.cfg.ttt_steps) if self.context.enabled else None
 
     def upcoming_positions(self, state: ckpt.TrainerState, n: int) -> list[tuple[int, int]]:
         """(epoch, index in the epoch plan) of the next n steps after the current one (fewer at the end)."""
@@ -417,7 +417,7 @@ class Trainer:
             cfg.max_seq_len,
             pin_memory=info.device.type == "cuda",
             depth=cfg.prefetch_depth,
-            share=lambda row: shard_row(row, self.context, cfg.ttt_steps),
+            held=self.held_slots(),
         )
         hang_at = fault_hang_step(info.rank)  # tests only: EAGLE3_FAULT_HANG_AT_STEP
         progress = ProgressLine(cfg.progress_every_s, start_step=state.step)
@@ -434,9 +434,8 @@ class Trainer:
             stats, seconds = self.train_step(row, real, state.step + 1, fetch_started=t0)
             if real:
                 acc.add_stats(stats)
-            first = (
-                self.context.index == 0
-            )  # a row counts once, on the first rank of its context-parallel group
+            # a row counts once, on the first rank of its context-parallel group
+            first = self.context.index == 0
             acc.add_scalars(tokens=tokens, rows=1 if real and first else 0, steps=1, **seconds)
             if record_file is not None:
                 record_file.write(

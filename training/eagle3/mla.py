@@ -137,8 +137,7 @@ class MLAAttention(nn.Module):
         keys = [*past_latents, latent]
         # The values are the latents: the keys' first kv_lora_rank numbers. Passing the keys as the values keeps one
         # tensor per step (no copy for either attention path) and the output's last qk_rope_head_dim are dropped.
-        out_latent = attention.to_sequence(
-            attention(query, keys, keys)[..., : s.kv_lora_rank]
-        )  # [heads, S, r]
+        per_head = attention(query, keys, keys)[..., : s.kv_lora_rank]  # [heads/cp, S, r]: this rank's heads
+        out_latent = attention.to_sequence(per_head)  # [heads, S, r]: this rank's slots
         out = torch.einsum("hsr,hvr->shv", out_latent, w_uv).reshape(x.shape[0], s.num_heads * s.v_head_dim)
         return self.o_proj(out), latent

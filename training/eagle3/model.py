@@ -467,10 +467,8 @@ def _ttt_loss(
         true.append(true_id)
         for step in range(ttt_steps):
             n = weights[step].shape[0]
-            lo, hi = (
-                max(c - 1 - step, 0),
-                min(e - 1 - step, n),
-            )  # own slots j whose target j+1+step is in the chunk
+            # own slots j whose target j+1+step is in the chunk
+            lo, hi = max(c - 1 - step, 0), min(e - 1 - step, n)
             if hi <= lo:
                 continue
             t0 = lo + 1 + step - c

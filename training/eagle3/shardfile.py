@@ -95,9 +95,10 @@ class ShardFile:
             out[name] = TensorEntry(dtype, shape, base + begin, base + end)
         return out
 
-    def read_rows(self, entry: TensorEntry, rows: int, dest: torch.Tensor) -> None:
-        """The first `rows` rows of `entry` into the contiguous tensor `dest` (same dtype and row size)."""
-        want = (entry.end - entry.start) // max(entry.shape[0], 1) * rows
+    def read_rows(self, entry: TensorEntry, rows: int, dest: torch.Tensor, first: int = 0) -> None:
+        """Rows first .. first + rows - 1 of `entry` into the contiguous tensor `dest` (same dtype and row size)."""
+        row_bytes = (entry.end - entry.start) // max(entry.shape[0], 1)
+        want, offset = row_bytes * rows, entry.start + row_bytes * first
         if dest.numel() * dest.element_size() != want or not dest.is_contiguous():
             raise ValueError(f"destination of {dest.numel() * dest.element_size()} bytes for {want}")
         if want == 0:
@@ -105,10 +106,10 @@ class ShardFile:
         view = memoryview(dest.view(torch.uint8).numpy()).cast("B")
         done = 0
         while done < want:
-            got = os.preadv(self.fd, [view[done : done + MAX_READ]], entry.start + done)
+            got = os.preadv(self.fd, [view[done : done + MAX_READ]], offset + done)
             if got <= 0:
                 raise DataError(
-                    f"dataset file {str(self.path)!r} is corrupt (short read at byte {entry.start + done}); "
+                    f"dataset file {str(self.path)!r} is corrupt (short read at byte {offset + done}); "
                     "regenerate or re-import it"
                 )
             done += got

@@ -504,9 +504,8 @@ def spec_of(
     """A drafter shape under a trainer config on `device`: the run options resolved as the trainer resolves them,
     the memory facts of that device."""
     run = options.resolve_options(cfg, device, world_size, nodes)
-    drafter.context_heads(
-        run.context_parallel
-    )  # the heads split over the context-parallel ranks, or ConfigError
+    # the heads split over the context-parallel ranks, or ConfigError
+    drafter.context_heads(run.context_parallel)
     cuda = run.device == "cuda"
     return RunSpec(
         drafter=drafter,

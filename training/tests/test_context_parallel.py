@@ -139,3 +139,30 @@ def test_kv_heads_neither_dividing_nor_multiple_are_refused():
     cfg = DrafterConfig(64, 12, 8, 128, 512, 1024, num_kv_heads=6)
     with pytest.raises(ConfigError, match="num_kv_heads=6 neither divide each other"):
         cfg.context_heads(4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_read_row_reads_a_ranks_share_byte_for_byte(tmp_path, dtype):
+    """DatasetReader.read_row(held=...) reads only a rank's hidden-state rows from the files (an 8-bit data set
+    dequantized): equal to shard_row of the whole row for every rank, documents crossing the share boundaries, the
+    halo, padding at the end."""
+    from eagle3.data import DatasetReader, DatasetWriter, build_vocab_mapping
+
+    gen = torch.Generator().manual_seed(0)
+    h, lengths = 16, [40, 25, 9, 50]
+    writer = DatasetWriter(tmp_path, h, dtype)
+    for n in lengths:
+        writer.add(torch.randint(0, 64, (n,), generator=gen), torch.rand(n, generator=gen) < 0.6,
+                   torch.randn(n, 3 * h, generator=gen), torch.randn(n, h, generator=gen))  # fmt: skip
+    d2t, t2d = build_vocab_mapping(torch.ones(64), 32)
+    writer.finish(target_vocab_size=64, draft_vocab_size=32, aux_layer_ids=(1, 2, 3), t2d=t2d, d2t=d2t,
+                  embed=torch.randn(64, h), final_norm=torch.ones(h), lm_head=torch.randn(64, h))  # fmt: skip
+    reader = DatasetReader(tmp_path)
+    whole = reader.read_row([0, 1, 2, 3], 256)  # 124 tokens, then padding
+    for index in range(4):
+        shard = ContextShard(4, index)
+        part = reader.read_row([0, 1, 2, 3], 256, held=shard.held(256, 3))
+        expected = shard_row(whole, shard, 3)
+        assert set(part) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(part[name], tensor), (index, name)
