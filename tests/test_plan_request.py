@@ -79,3 +79,24 @@ def test_plan_argv_is_what_plan_yml_built(world_size, nnodes, nproc, memory_gb, 
     old = ENV.from_string(OLD_ARGV).render(python="/opt/eagle3/venv/bin/python", msl=msl, gpus=gpus, **args)
     assert "\x00".join(got) == old
     assert ("--probe" in got) == (msl == "auto" and bool(gpus))
+
+
+@pytest.mark.parametrize("cp", [None, 1, "1", " 1 "])
+def test_context_parallel_off_asks_the_planner_nothing_new(cp):
+    """1 (the default) adds no flag: the argv is the one the planner had before context parallelism."""
+    for msl in ("auto", "16384"):
+        got = pr.plan_argv("/p", 8, 1, 8, 0.1, 80, msl, GPUS[1], cp)
+        assert got == pr.plan_argv("/p", 8, 1, 8, 0.1, 80, msl, GPUS[1])
+        assert "--context-parallel" not in got and "--max-seq-len" not in got
+
+
+@pytest.mark.parametrize(("cp", "flag"), [(2, "2"), ("4", "4"), ("auto", "auto"), (" AUTO ", "auto")])
+def test_context_parallel_is_passed_with_the_length_auto_must_fit(cp, flag):
+    explicit = pr.plan_argv("/p", 8, 1, 8, 0.1, 80, "65536", [], cp)
+    i = explicit.index("--context-parallel")
+    assert explicit[i + 1] == flag
+    assert explicit[explicit.index("--max-seq-len") + 1] == "65536"
+    assert explicit[explicit.index("--lengths") + 1] == "65536"  # the table row seq_len_refusal reads
+    auto = pr.plan_argv("/p", 8, 1, 8, 0.1, 80, "auto", GPUS[1], cp)
+    assert auto[auto.index("--context-parallel") + 1] == flag
+    assert "--max-seq-len" not in auto and "--lengths" not in auto and auto[-1] == "--probe"

@@ -84,6 +84,10 @@ def test_train_rejects_bad_max_seq_len_before_touching_the_ct(inventory, value, 
 BAD_TRAIN_INPUTS = [
     ("max_seq_len=1000", "max_seq_len=1000 is not a multiple of 128"),
     (
+        "context_parallel=2.5",
+        "context_parallel=2.5 is not a context-parallel size; allowed: auto (the memory planner picks the smallest",
+    ),
+    (
         "eagle3_train_allow_unplanned_seq_len=sure",
         "eagle3_train_allow_unplanned_seq_len=sure is not a boolean; allowed: true or false",
     ),

@@ -60,6 +60,14 @@ def test_each_disagreement_is_named():
     assert "c: eagle3_train_run_id=other differs from a's r" in text
 
 
+def test_every_node_needs_the_same_context_parallel():
+    r = reports(a={"context_parallel": "auto"}, b={"context_parallel": "auto"}, c={"context_parallel": 2})
+    errors = run_nodes.run_nodes(["a", "b", "c"], ["a", "b", "c"], r, "b")["errors"]
+    assert errors == [
+        "c: eagle3_train_context_parallel=2 differs from a's auto; every node of a run needs the same"
+    ]
+
+
 def test_one_node_is_the_local_rendezvous_whatever_its_address():
     r = {"a": {"nodes": ["a"], "rank": "auto", "addr": "127.0.0.1", "run_dir": "/r", "state_dir": "/r", "port": 29400,
                "run_id": "x"}}  # fmt: skip

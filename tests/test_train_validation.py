@@ -59,8 +59,9 @@ def test_the_table_knows_exactly_the_role_variables():
 def test_every_default_passes():
     values = {
         **defaults(),
-        "eagle3_train_max_seq_len": "16384",
-    }  # the default templates max_seq_len | default(16384)
+        "eagle3_train_max_seq_len": "16384",  # the default templates max_seq_len | default(16384)
+        "eagle3_train_context_parallel": "1",  # and context_parallel | default(1)
+    }
     values["eagle3_train_venv"] = "/opt/eagle3/venv"  # "{{ eagle3_train_prefix }}/venv"
     values["eagle3_train_state_dir"] = "/var/lib/eagle3/run"  # "{{ eagle3_train_run_dir }}"
     values["eagle3_train_nodes"] = ["ct129"]  # "{{ groups['training'] ... }}"
@@ -111,6 +112,9 @@ BAD = {
     "trainer_config": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping")],
     "node_rank": [("-1", "is not a node rank"), ("first", "is not a node rank"), (1.5, "is not a node rank")],
     "nproc": [("0", "is not a worker count"), ("many", "is not a worker count"), (-2, "is not a worker count")],
+    "context_parallel": [("0", "is not a context-parallel size"), ("-1", "is not a context-parallel size"),
+                         ("abc", "is not a context-parallel size"), ("2.5", "is not a context-parallel size"),
+                         (True, "is not a context-parallel size"), ("", "is not a context-parallel size")],
     "seq_len": [("1000", "is not a multiple of 128"), ("0", "is neither a positive multiple of 128 nor"),
                 ("big", "is neither"), ("-128", "is neither"), ("16384.0", "is neither")],
 }  # fmt: skip
@@ -181,6 +185,11 @@ def test_ranges(name, value):
         ("eagle3_train_socket_ifname", ""),
         ("eagle3_train_socket_ifname", "eth1"),
         ("eagle3_train_nodes", ["ct1", "ct2"]),
+        ("eagle3_train_context_parallel", "auto"),
+        ("eagle3_train_context_parallel", " Auto "),
+        ("eagle3_train_context_parallel", "4"),
+        ("eagle3_train_context_parallel", 1),
+        ("eagle3_train_context_parallel", 2.0),  # YAML's 2.0 is a whole number
     ],
 )
 def test_good_values_pass(name, value):
@@ -191,6 +200,24 @@ def test_the_role_keys_of_the_trainer_config_are_refused_with_where_they_go():
     (error,) = train_input_errors({"eagle3_train_config_overrides": {"data_dir": "/x", "lr": 1}})
     assert error.startswith("eagle3_train_config_overrides sets data_dir=/x, which the role sets itself")
     assert "set eagle3_train_data_dir" in error
+
+
+def test_context_parallel_in_the_trainer_config_is_refused_with_where_it_goes():
+    (error,) = train_input_errors({"eagle3_train_config": {"context_parallel": 2, "lr": 0.001}})
+    assert error.startswith("eagle3_train_config sets context_parallel=2, which the role sets itself")
+    assert "set it with -e context_parallel=N (or auto)" in error
+
+
+def test_context_parallel_is_reported_under_the_name_the_user_set():
+    (error,) = train_input_errors(
+        {"eagle3_train_context_parallel": "0"}, {"eagle3_train_context_parallel": "context_parallel"}
+    )
+    assert error.startswith("context_parallel=0 is not a context-parallel size; allowed: auto")
+    assert "-e context_parallel=2" in error
+
+
+def test_context_parallel_is_a_playbook_name_not_a_stray_trainer_key():
+    assert ri.stray_variables(["context_parallel", "max_seq_len"]) == []
 
 
 def test_unknown_names_are_typos_unless_the_defaults_know_them():
@@ -254,6 +281,45 @@ def test_a_length_above_the_largest_fitting_one_is_refused_with_that_length_and_
     assert "finds that 32768 needs more" in ti.seq_len_refusal({**PLAN, "table": []}, 32768)
 
 
+def test_a_length_that_fits_at_a_larger_context_parallel_is_offered_it():
+    plan = {**PLAN, "context_parallel": 1, "context_parallel_table": [
+        {"context_parallel": 1, "max_seq_len": 20096, "predicted_gb": 2.249},
+        {"context_parallel": 2, "max_seq_len": 30208, "predicted_gb": 2.2},
+        {"context_parallel": 4, "max_seq_len": 49152, "predicted_gb": 2.2}]}  # fmt: skip
+    msg = " ".join(ti.seq_len_refusal(plan, "32768").split())
+    assert "split each row over more workers (-e context_parallel=4, or auto)" in msg
+    # The prediction names the planner's context_parallel; when no larger one fits, nothing is offered.
+    msg = " ".join(ti.seq_len_refusal({**plan, "context_parallel": 4}, "32768").split())
+    assert "predicts 3.5 GiB per worker at 32768 with context_parallel=4" in msg
+    assert "-e context_parallel=" not in msg
+
+
+# ------------------------------------------------------------------------------ context_parallel against the workers
+
+
+@pytest.mark.parametrize(
+    ("cp", "world", "nnodes", "nproc", "msl"),
+    [("auto", 3, 1, 3, "16384"), ("1", 3, 1, 3, "auto"), (2, 8, 2, 4, "16384"), ("8", 8, 2, 4, "auto"),
+     (6, 12, 3, 4, "auto"), (3, 6, 1, 6, "12288")],
+)  # fmt: skip
+def test_a_context_parallel_that_splits_the_workers_runs(cp, world, nnodes, nproc, msl):
+    assert ti.context_parallel_refusal(cp, world, nnodes, nproc, msl) == ""
+
+
+def test_a_context_parallel_that_does_not_divide_the_workers_is_refused_with_the_divisors():
+    msg = ti.context_parallel_refusal("3", 8, 2, 4, "16384")
+    assert msg.startswith("context_parallel=3 does not divide the 8 workers of the run (2 nodes x 4 workers)")
+    assert "allowed: a divisor of 8 (1, 2, 4, 8), or auto." in msg
+    assert "(one node)" in ti.context_parallel_refusal(4, 2, 1, 2)
+    assert "(3 nodes)" in ti.context_parallel_refusal(4, 7, 3, 2)  # nodes of different sizes
+
+
+def test_a_context_parallel_that_does_not_divide_the_length_is_refused():
+    msg = ti.context_parallel_refusal(3, 6, 1, 6, "16384")
+    assert msg.startswith("context_parallel=3 does not divide max_seq_len=16384")
+    assert "a divisor of the run's 6 workers that divides 16384 (1, 2), or auto." in msg
+
+
 # ------------------------------------------------------------------------------ plan.yml with the real planner
 
 PLAY = """\
@@ -296,6 +362,7 @@ def planner_target(tmp_path_factory):
         "eagle3_train__nproc": 2,  # deploy.yml decides it: the local CT's two CPU workers
         "eagle3_train__world_size": 2,  # and the run's (one node)
         "eagle3_train__layout": {"nnodes": 1},  # nodes.yml: one node
+        "eagle3_train__cp": 1,  # validate.yml: context_parallel, normalised
         "gpu_cleanup_unit": "eagle3-train.service",
         "eagle3_train_prefix": str(base / "prefix"),
         "eagle3_train_venv": str(ROOT / ".venv-train"),
@@ -386,6 +453,47 @@ def test_zero_budget_means_the_smallest_gpu(planner_target):
     rc, out = plan(planner_target, "65536", path_prefix=f"{ROOT / 'tests' / 'fakebin'}:")
     assert rc == 0, out[-3000:]
     assert "of 95.59 GiB per worker (the smallest GPU (NVIDIA RTX PRO 6000 Blackwell, 97887 MiB))" in out
+
+
+def test_context_parallel_auto_fails_where_the_planner_does_not_run(planner_target):
+    rc, out = plan(planner_target, "16384", "eagle3_train__cp=auto")
+    assert rc == 2, out[-3000:]
+    assert (
+        "context_parallel=auto needs the memory planner to pick it, and max_seq_len=16384 is not planned"
+        in out
+    )
+    assert "-e context_parallel=2" in out and "The service was not touched." in out
+    rc, out = plan(planner_target, "65536", "eagle3_train__cp=auto", "eagle3_train_plan_memory_gb=1.6",
+                   "eagle3_train_allow_unplanned_seq_len=true")  # fmt: skip
+    assert rc == 2 and "eagle3_train_allow_unplanned_seq_len is true" in out, out[-3000:]
+
+
+def planner_has_context_parallel() -> bool:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
+    proc = subprocess.run([str(TRAIN_PYTHON), "-m", "eagle3", "plan", "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    return "--context-parallel" in proc.stdout
+
+
+def test_plan_yml_with_context_parallel(planner_target):
+    """auto: the planner's choice and its table in the report; a value the planner refuses (exit 2): the failure
+    names it and the service is not touched."""
+    if not planner_has_context_parallel():
+        pytest.skip("the planner has no --context-parallel yet (training/eagle3/plan/cli.py)")
+    budget = f"eagle3_train_plan_memory_gb={local_budget()}"
+    rc, out = plan(planner_target, "auto", "eagle3_train__cp=auto", budget)
+    assert rc == 0, out[-3000:]
+    assert re.search(r"max_seq_len=auto -> \d+, context_parallel=auto -> [12] \(data_parallel [12]\)", out), (
+        out[-3000:]
+    )
+    assert "The largest max_seq_len per context_parallel: 1 -> " in out
+    rc, out = plan(
+        planner_target, "16384", "eagle3_train__cp=3", budget
+    )  # 2 workers (validate.yml refuses it first)
+    assert rc == 2, out[-3000:]
+    assert "max_seq_len=16384, context_parallel=3: the memory planner refuses the run (exit 2)" in out
+    out = out.replace("''", "'")  # (YAML's quoting of the message)
+    assert "context_parallel must divide the run's 2 workers" in out and "The service was not touched." in out
 
 
 def test_planner_json_has_what_the_verdict_reads(planner_target):

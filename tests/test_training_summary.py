@@ -130,3 +130,11 @@ def test_the_last_validation_acceptance_length_is_shown_running_or_not():
     # Before the first validation (or from a trainer that did not write it) there is no such line.
     lines = summary.training_summary(report("running", status={**RUNNING, "val": None}), [], now=1000.0)
     assert not any("acceptance length" in line for line in lines)
+
+
+def test_the_first_line_says_how_rows_are_split_when_status_json_does():
+    status = {**RUNNING, "world_size": 8, "context_parallel": 4, "data_parallel": 2}
+    first = summary.training_summary(report("running", status=status), [])[0]
+    assert first.endswith("max_seq_len 16384, context_parallel 4, data_parallel 2 (rows per step)"), first
+    first = summary.training_summary(report("running"), [])[0]  # a trainer without context parallelism
+    assert first.endswith("max_seq_len 16384") and "context_parallel" not in first

@@ -36,6 +36,7 @@ from role_variables import PLAYBOOK_NAMES, ROLE_FACTS, ROLE_VARIABLES
 # Where the role's own settings go instead of a trainer config key.
 _FORBIDDEN_KEY_HINT = {
     "max_seq_len": "set it with -e max_seq_len=N (or auto)",
+    "context_parallel": "set it with -e context_parallel=N (or auto)",
     "data_dir": "set eagle3_train_data_dir",
     "run_dir": "set eagle3_train_run_dir",
 }
@@ -97,6 +98,27 @@ def seq_len_problem(name: str, value, block: int) -> str | None:
     )
 
 
+def context_parallel_problem(name: str, value) -> str | None:
+    """context_parallel: a whole number >= 1 (the ranks one packed row is split over), or auto (the planner picks).
+    Whether it divides the run's workers is checked once they are counted (context_parallel_refusal).
+
+    >>> context_parallel_problem("context_parallel", " Auto "), context_parallel_problem("context_parallel", "4")
+    (None, None)
+    >>> print(context_parallel_problem("context_parallel", "2.5"))  # doctest: +NORMALIZE_WHITESPACE
+    context_parallel=2.5 is not a context-parallel size; allowed: auto (the memory planner picks the smallest that
+    fits) or a whole number >= 1 that divides the run's workers, e.g. -e context_parallel=2
+    """
+    if str(value).strip().lower() == "auto":
+        return None
+    n = as_int(value)
+    if n is not None and n >= 1:
+        return None
+    return (
+        f"{name}={show(value)} is not a context-parallel size; allowed: auto (the memory planner picks the smallest "
+        f"that fits) or a whole number >= 1 that divides the run's workers, e.g. -e {name}=2"
+    )
+
+
 def check(name: str, value, spec: dict) -> str | None:
     """One variable against its table entry: None when it is fine, else the line that says why not."""
     kind = spec["kind"]
@@ -104,6 +126,8 @@ def check(name: str, value, spec: dict) -> str | None:
         return None
     if kind == "seq_len":
         return seq_len_problem(name, value, trainer().SEQ_BLOCK)
+    if kind == "context_parallel":
+        return context_parallel_problem(name, value)
     if kind == "bool":
         if spec.get("empty") and value in ("", None):
             return None
@@ -203,6 +227,7 @@ def trainer_config_errors(config: dict, overrides: dict, max_seq_len) -> list[st
         return []  # reported by the dict check
     msl = as_int(max_seq_len)
     values = {**config, **overrides, "data_dir": "/data", "run_dir": "/run"}
+    values.pop("context_parallel", None)  # the role's own (eagle3_train_context_parallel), refused above
     values["max_seq_len"] = (
         msl if msl and msl > 0 and msl % config_module.SEQ_BLOCK == 0 else config_module.SEQ_BLOCK
     )

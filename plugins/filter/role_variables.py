@@ -10,16 +10,18 @@ file in this folder as a filter plugin, so it has an empty FilterModule).
 from __future__ import annotations
 
 # ---------------------------------------------------------------------------------------------------- tables
-# name -> spec. "kind": a KINDS entry, or one of: seq_len, bool, int, float, nproc, node_rank, list (of "of": a
-# kind), int_list, dict (keys "keys", values "values": kinds), trainer_config (a dict the trainer's declaration
-# checks; "forbid": keys the role sets itself), raw (checked elsewhere; "why" says where). "empty": "" is allowed.
+# name -> spec. "kind": a KINDS entry, or one of: seq_len, bool, int, float, nproc, node_rank, context_parallel,
+# list (of "of": a kind), int_list, dict (keys "keys", values "values": kinds), trainer_config (a dict the trainer's
+# declaration checks; "forbid": keys the role sets itself), raw (checked elsewhere; "why" says where). "empty": ""
+# is allowed.
 # int/float/int_list: "min"/"max" inclusive, "below" exclusive. tests/test_role_inputs.py holds every table to its
 # role's meta/argument_specs.yml.
-ROLE_FORBIDDEN_KEYS = ("max_seq_len", "data_dir", "run_dir")
+ROLE_FORBIDDEN_KEYS = ("max_seq_len", "context_parallel", "data_dir", "run_dir")
 ROLE_VARIABLES: dict[str, dict[str, dict]] = {
     "eagle3_train": {
         "eagle3_train_max_seq_len": {"kind": "seq_len"},
         "eagle3_train_allow_unplanned_seq_len": {"kind": "bool"},
+        "eagle3_train_context_parallel": {"kind": "context_parallel"},
         "eagle3_train_prefix": {"kind": "abspath"},
         "eagle3_train_config_dir": {"kind": "abspath"},
         "eagle3_train_run_dir": {"kind": "abspath"},
@@ -237,7 +239,7 @@ ROLE_FACTS: dict[str, tuple[str, ...]] = {
 }
 
 # Names a playbook takes without a role prefix: never strays.
-PLAYBOOK_NAMES = ("max_seq_len", "report", "report_dir")
+PLAYBOOK_NAMES = ("max_seq_len", "context_parallel", "report", "report_dir")
 
 
 class FilterModule:

@@ -5,8 +5,8 @@ the planner's command line.
 
 ``plan_memory``: eagle3_train_plan_memory_gb when it is above 0, else the smallest GPU's total memory, else
 nothing (the planner then reads the trainer config's memory_limit_gb itself; the source says so). ``plan_argv``:
-``python -m eagle3 plan --json`` with the run's layout, margin, memory, and the length to check (or --probe for
-auto on a GPU). Each filter is documented in the .yml file of the same name beside this one.
+``python -m eagle3 plan --json`` with the run's layout, margin, memory, context parallelism, and the length to check
+(or --probe for auto on a GPU). Each filter is documented in the .yml file of the same name beside this one.
 """
 
 from __future__ import annotations
@@ -66,15 +66,24 @@ def plan_memory(
 
 
 def plan_argv(
-    python: str, world_size, nnodes, nproc, margin, memory_gb, msl, gpus: list | None = None
+    python: str, world_size, nnodes, nproc, margin, memory_gb, msl, gpus: list | None = None, cp=None
 ) -> list:
     """The planner's argv: the trainer config comes on stdin; the length to check, or --probe for auto on a GPU.
+    A context_parallel other than 1 (a number, or auto for the planner to pick) goes with --context-parallel, and an
+    explicit length then also with --max-seq-len (the length auto must fit); 1 (off) adds nothing.
 
     >>> plan_argv("/v/bin/python", 2, 1, 2, 0.1, 1.6, "16384")  # doctest: +NORMALIZE_WHITESPACE
     ['/v/bin/python', '-m', 'eagle3', 'plan', '--json', '--config', '/dev/stdin', '--world-size', '2',
      '--margin', '0.1', '--memory-gb', '1.6', '--lengths', '16384']
     >>> plan_argv("/v/bin/python", 4, 2, 2, 0.1, 0, "auto", [{"index": 0}])[7:]
     ['--world-size', '4', '--nnodes', '2', '--nproc-per-node', '2', '--margin', '0.1', '--probe']
+    >>> plan_argv("/v/bin/python", 8, 1, 8, 0.1, 80, "65536", cp="auto")[9:]  # doctest: +NORMALIZE_WHITESPACE
+    ['--margin', '0.1', '--memory-gb', '80', '--context-parallel', 'auto', '--max-seq-len', '65536',
+     '--lengths', '65536']
+    >>> plan_argv("/v/bin/python", 8, 1, 8, 0.1, 80, "auto", cp=2)[9:]
+    ['--margin', '0.1', '--memory-gb', '80', '--context-parallel', '2']
+    >>> plan_argv("/v/bin/python", 8, 1, 8, 0.1, 80, "auto", cp="1")[9:]
+    ['--margin', '0.1', '--memory-gb', '80']
     """
     argv = [
         python,
@@ -93,6 +102,11 @@ def plan_argv(
     argv += ["--margin", str(margin)]
     if _float(memory_gb) > 0:
         argv += ["--memory-gb", str(memory_gb)]
+    context_parallel = str(cp if cp is not None else 1).strip().lower()
+    if context_parallel != "1":
+        argv += ["--context-parallel", context_parallel]
+        if msl != "auto":
+            argv += ["--max-seq-len", msl]
     if msl != "auto":
         argv += ["--lengths", msl]
     elif gpus:

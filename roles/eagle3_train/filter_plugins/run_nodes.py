@@ -69,6 +69,7 @@ def _multinode_problems(nodes: list[str], reports: dict) -> list[str]:
             ("run_dir", "eagle3_train_run_dir"),
             ("port", "eagle3_train_rdzv_port"),
             ("run_id", "eagle3_train_run_id"),
+            ("context_parallel", "eagle3_train_context_parallel"),
         ):
             first = reports.get(nodes[0], {}).get(key)
             if h != nodes[0] and nodes[0] in reports and str(rep.get(key)) != str(first):
@@ -81,7 +82,8 @@ def _multinode_problems(nodes: list[str], reports: dict) -> list[str]:
 def run_nodes(nodes: list, play_hosts: list, reports: dict, host: str) -> dict:
     """The run as `host` must see it: ranks, rendezvous node and endpoint, and every problem.
 
-    `reports`: play host -> {nodes, rank, addr, run_dir, state_dir, port, run_id} (each host's own variables).
+    `reports`: play host -> {nodes, rank, addr, run_dir, state_dir, port, run_id, context_parallel} (each host's own
+    variables).
 
     >>> r = {"a": {"nodes": ["a", "b"], "rank": "auto", "addr": "10.0.0.1", "run_dir": "/s", "state_dir": "/n",
     ...            "port": 29400, "run_id": "x"}}

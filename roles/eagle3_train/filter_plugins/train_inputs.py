@@ -1,9 +1,10 @@
 # Copyright: eagle3-pve contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""``seq_len_refusal``: the verdict on an explicit max_seq_len from the memory planner's JSON (plan.yml).
+"""``seq_len_refusal``: the verdict on an explicit max_seq_len from the memory planner's JSON (plan.yml);
+``context_parallel_refusal``: the verdict on a context_parallel against the run's workers (validate.yml).
 
-The role's variables themselves are checked by the ``inputs`` role against plugins/filter/role_inputs.py. This
-file's one filter is documented in seq_len_refusal.yml beside it (ansible-doc reads that file).
+The role's variables themselves are checked by the ``inputs`` role against plugins/filter/role_inputs.py. Each
+filter here is documented in the .yml file of the same name beside this one (ansible-doc reads that file).
 """
 
 from __future__ import annotations
@@ -41,12 +42,22 @@ def seq_len_refusal(plan: dict, requested, memory_source: str = "") -> str:
         f"{float(plan['margin']) * 100:g}% margin of eagle3_train_plan_margin; {plan['world_size']} workers; "
         f"{plan.get('source', 'analytic')} model)"
     )
+    cp = int(plan.get("context_parallel") or 1)
+    if cp > 1:
+        needs += f" with context_parallel={cp}"
+    wider = [
+        int(r["context_parallel"])
+        for r in plan.get("context_parallel_table") or []
+        if r.get("max_seq_len") and int(r["max_seq_len"]) >= n and int(r.get("context_parallel") or 1) > cp
+    ]
     fit = (
         f"The largest max_seq_len that fits is {largest} (predicted {plan.get('predicted_gb', 0):.2f} GiB). "
         f"Use -e max_seq_len={largest} (or -e max_seq_len=auto)"
         if largest
         else "No max_seq_len fits. Turn on activation_checkpointing or fsdp in eagle3_train_config_overrides"
     )
+    if wider:
+        fit += f", split each row over more workers (-e context_parallel={min(wider)}, or auto)"
     return (
         f"max_seq_len={n} does not fit: the memory planner {needs} against a budget of {assumed}. {fit}, "
         f"give the planner more memory per worker, or set -e eagle3_train_allow_unplanned_seq_len=true to run "
@@ -54,6 +65,51 @@ def seq_len_refusal(plan: dict, requested, memory_source: str = "") -> str:
     )
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def context_parallel_refusal(cp, world_size, nnodes=1, nproc=None, msl="auto") -> str:
+    """Why a context_parallel cannot split the run's rows (empty: it can, or it is auto, which the planner picks).
+
+    It must divide the run's workers (groups of that many consecutive workers share one row) and an explicit
+    max_seq_len (each worker of a group holds max_seq_len / context_parallel positions). Whether the drafter's
+    attention heads split into it is the planner's and the trainer's check: they know the drafter's shape.
+
+    >>> context_parallel_refusal("auto", 8, 2, 4), context_parallel_refusal("4", "8", "2", "4", "16384")
+    ('', '')
+    >>> print(context_parallel_refusal("3", 8, 2, 4))  # doctest: +NORMALIZE_WHITESPACE
+    context_parallel=3 does not divide the 8 workers of the run (2 nodes x 4 workers): each group of 3
+    consecutive workers shares one row; allowed: a divisor of 8 (1, 2, 4, 8), or auto.
+    >>> print(context_parallel_refusal(3, 6, 1, 6, "16384"))  # doctest: +NORMALIZE_WHITESPACE
+    context_parallel=3 does not divide max_seq_len=16384: each of the 3 workers of a row holds max_seq_len / 3
+    of its positions; allowed: a divisor of the run's 6 workers that divides 16384 (1, 2), or auto.
+    """
+    text = str(cp).strip().lower()
+    if text == "auto":
+        return ""
+    c, world, nodes = int(text), int(str(world_size).strip()), int(str(nnodes).strip() or 1)
+    if world % c:
+        per = int(str(nproc).strip()) if nproc not in (None, "") else 0
+        layout = "one node"
+        if nodes > 1:
+            layout = f"{nodes} nodes x {per} workers" if per * nodes == world else f"{nodes} nodes"
+        options = ", ".join(map(str, _divisors(world)))
+        return (
+            f"context_parallel={c} does not divide the {world} workers of the run ({layout}): each group of {c} "
+            f"consecutive workers shares one row; allowed: a divisor of {world} ({options}), or auto."
+        )
+    length = str(msl).strip().lower()
+    if length.isdigit() and int(length) % c:
+        options = ", ".join(str(d) for d in _divisors(world) if int(length) % d == 0)
+        return (
+            f"context_parallel={c} does not divide max_seq_len={length}: each of the {c} workers of a row holds "
+            f"max_seq_len / {c} of its positions; allowed: a divisor of the run's {world} workers that divides "
+            f"{length} ({options}), or auto."
+        )
+    return ""
+
+
 class FilterModule:
     def filters(self):
-        return {"seq_len_refusal": seq_len_refusal}
+        return {"seq_len_refusal": seq_len_refusal, "context_parallel_refusal": context_parallel_refusal}

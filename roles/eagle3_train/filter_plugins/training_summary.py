@@ -74,6 +74,23 @@ def _workers(run: dict, status: dict) -> str:
     return "? workers"
 
 
+def _parallel(status: dict) -> str:
+    """How rows are split, when status.json says (context parallelism): the workers per row, the rows per step.
+
+    >>> _parallel({"world_size": 8, "context_parallel": 4, "data_parallel": 2})
+    ', context_parallel 4, data_parallel 2 (rows per step)'
+    >>> _parallel({"world_size": 8, "context_parallel": 2}), _parallel({"context_parallel": 2}), _parallel({})
+    (', context_parallel 2, data_parallel 4 (rows per step)', ', context_parallel 2', '')
+    """
+    cp = status.get("context_parallel")
+    if cp is None:
+        return ""
+    dp = status.get("data_parallel")
+    if dp is None and status.get("world_size") and cp:
+        dp = int(status["world_size"]) // int(cp)
+    return f", context_parallel {cp}" + (f", data_parallel {dp} (rows per step)" if dp is not None else "")
+
+
 def _previous(status: dict) -> str:
     """The last real step of the run before, when this start has done none.
 
@@ -244,6 +261,7 @@ def training_summary(
     lines = [
         f"state: {state}{detail}; {unit_name} {u.get('ActiveState', '?')} ({u.get('SubState', '?')}), "
         f"restarts {u.get('NRestarts', '?')}; {_workers(run, s)}, max_seq_len {s.get('max_seq_len', '?')}"
+        f"{_parallel(s)}"
     ]
     if run.get("reason") and state != "running":
         lines.append(f"reason: {run['reason']}")
