@@ -520,7 +520,7 @@ def section_probe(device: torch.device, dry_run: bool, sweep: dict | None) -> di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="GPU-only checks of eagle3-pve; figures to one JSON file")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny drafter: exercises the same code path")
-    p.add_argument("--sections", default="cleanup,flex,sweep,probe")
+    p.add_argument("--sections", default="cleanup,flex,sweep,probe,context")
     p.add_argument("--lengths", default="4096,8192,16384,24576,32768")
     p.add_argument("--sweep-budget-s", type=float, default=240.0, help="stop starting new lengths after this")
     p.add_argument("--output", default=None, help="JSON file (default $OUT/gpu_check.json or bench/results/)")
@@ -554,8 +554,12 @@ def main(argv: list[str] | None = None) -> int:
                 result = sweep = section_sweep(device, args.dry_run, args.sweep_budget_s, lengths)
             elif name == "probe":
                 result = section_probe(device, args.dry_run, sweep)
+            elif name == "context":  # bench/gpu_context.py: the largest length at cp 1 and cp = GPUs, measured
+                from gpu_context import section_context
+
+                result = section_context(args.dry_run)
             else:
-                raise ValueError(f"unknown section {name!r}; choose from cleanup, flex, sweep, probe")
+                raise ValueError(f"unknown section {name!r}; choose from cleanup, flex, sweep, probe, context")
         except Exception as e:  # a failed section is a figure too; the next one still runs
             result = {
                 "ok": False,

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# GPU-only checks of eagle3-pve in one run (< 8 minutes): real /dev/nvidia* holders released by gpu_cleanup
+# GPU-only checks of eagle3-pve in one run (< 9.5 minutes): real /dev/nvidia* holders released by gpu_cleanup
 # with NVML back to baseline, flex_attention forward+backward, peak memory and tokens/s per max_seq_len for a
-# Kimi-shaped drafter on one GPU, planner prediction vs measured, the probe and its cache.
+# Kimi-shaped drafter on one GPU, planner prediction vs measured, the probe and its cache, and context parallelism:
+# the largest planned length at context_parallel 1 and at context_parallel = the GPUs present, run and measured.
 #
 #   bench/gpu_check.sh             on a CUDA machine; figures in $OUT/gpu_check.json or bench/results/
 #   bench/gpu_check.sh --dry-run   anywhere: the same Python code path on CPU with a tiny drafter
 #
 # PYTHON=/path/to/python picks the interpreter (default: .venv-train/bin/python, else python3, with torch).
-# GPU_CHECK_TIMEOUT (seconds, default 470) bounds the whole run. Exit 2: no usable GPU or Python.
+# GPU_CHECK_TIMEOUT (seconds, default 560) bounds the whole run. Exit 2: no usable GPU or Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,4 +51,4 @@ fi
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 export PYTHONUNBUFFERED=1
-exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-470}" "$python" bench/gpu_check.py "$@"
+exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-560}" "$python" bench/gpu_check.py "$@"

@@ -292,7 +292,7 @@ def test_gpu_check_script_parses_and_fails_fast_without_a_gpu(tmp_path):
 def test_gpu_check_dry_run_exercises_the_same_python_path_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHON": sys.executable}
-    args = [str(GPU_CHECK), "--dry-run", "--sections", "cleanup,flex,probe", "--output", str(out)]
+    args = [str(GPU_CHECK), "--dry-run", "--sections", "cleanup,flex,probe,context", "--output", str(out)]
     run = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     figures = json.loads(out.read_text())
@@ -302,6 +302,9 @@ def test_gpu_check_dry_run_exercises_the_same_python_path_on_cpu(tmp_path):
     probe = sections["probe"]
     assert probe["second_call_from_cache"] and probe["probe_choice"] % 128 == 0
     assert all(abs(e) <= TOLERANCE for e in probe["probe"]["analytic_error"])
+    context = sections["context"]  # cp 1 and cp 2 (two CPU ranks): the path the GPU run takes with NCCL
+    assert context["ok"] and [r["context_parallel"] for r in context["rows"]] == [1, 2]
+    assert all(r["largest_planned"] % 128 == 0 and r["tokens_per_s"] > 0 for r in context["rows"])
 
 
 @pytest.mark.slow
