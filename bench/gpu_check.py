@@ -554,12 +554,14 @@ def main(argv: list[str] | None = None) -> int:
                 result = sweep = section_sweep(device, args.dry_run, args.sweep_budget_s, lengths)
             elif name == "probe":
                 result = section_probe(device, args.dry_run, sweep)
-            elif name == "context":  # bench/gpu_context.py: the largest length at cp 1 and cp = GPUs, measured
-                from gpu_context import section_context
+            elif name == "context":
+                from gpu_context import section_context  # the largest length at cp 1 and cp = GPUs, measured
 
                 result = section_context(args.dry_run)
             else:
-                raise ValueError(f"unknown section {name!r}; choose from cleanup, flex, sweep, probe, context")
+                raise ValueError(
+                    f"unknown section {name!r}; choose from cleanup, flex, sweep, probe, context"
+                )
         except Exception as e:  # a failed section is a figure too; the next one still runs
             result = {
                 "ok": False,

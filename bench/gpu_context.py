@@ -36,7 +36,9 @@ def context_spec(dry_run: bool, cp: int) -> P.RunSpec:
         spec = P.spec_for(DRY_SHAPE, cp, device="cpu", attention="exact", loss_chunk_size=256,
                           activation_checkpointing="full", context_parallel=cp)  # fmt: skip
         return dataclasses.replace(spec, reserve_gib=0.0)
-    spec = P.on_cuda(P.SHAPES["kimi-k2.5"], world_size=cp, activation_checkpointing="full", context_parallel=cp)
+    spec = P.on_cuda(
+        P.SHAPES["kimi-k2.5"], world_size=cp, activation_checkpointing="full", context_parallel=cp
+    )
     return dataclasses.replace(spec, reserve_gib=1.0)
 
 
