@@ -220,6 +220,12 @@ class Trainer:
         self.model = model.to(device)
         run = self.run_options
         self.context = make_shard(self.info.rank, self.info.world_size, run.context_parallel, device.type)
+        spans_nodes = self.info.multi_node and self.info.local_world_size % run.context_parallel
+        if self.context.enabled and spans_nodes:
+            self.log(
+                f"warning: context_parallel={run.context_parallel} does not divide the {self.info.local_world_size} "
+                "ranks per node: some rows are split across nodes, and their all-to-alls cross the network"
+            )
         if self.context.enabled:
             self.log(
                 f"context parallel: each row split over {run.context_parallel} ranks (a {run.data_parallel} x "

@@ -99,6 +99,11 @@ def test_a_row_split_over_two_ranks_trains_as_one_process(runs):
     assert [got[s] for s in sorted(got)] == pytest.approx([ref[s] for s in sorted(got)], rel=1e-4)
     records = {r["step"]: r for r in read_metrics(split)}
     ref_records = {r["step"]: r for r in read_metrics(reference)}
+    # validation at the end: the same rows, the forward a collective of the group
+    val, ref_val = read_metrics(split, "val"), read_metrics(reference, "val")
+    assert [v["step"] for v in val] == [v["step"] for v in ref_val] == [STEPS]
+    assert val[0]["loss"] == pytest.approx(ref_val[0]["loss"], rel=1e-5)
+    assert val[0]["full_acc"] == ref_val[0]["full_acc"]
     for step in (1, STEPS):  # the row counted once, its tokens once (each rank counts its own slots)
         assert records[step]["tokens"] == ref_records[step]["tokens"]
         assert records[step]["positions"] == ref_records[step]["positions"]
