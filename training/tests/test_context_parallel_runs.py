@@ -1,7 +1,8 @@
 """Context parallelism end to end: `eagle3 train` with context_parallel 2 on two torchrun ranks (FSDP2 over the
 (dp 1, cp 2) mesh) follows the single-process run step for step (one row per step in both: the same rows, the same
-losses); its step checkpoint resumes on one process at cp 1, and the single-process run's resumes at cp 2, each
-continuing on the reference's trajectory. Refusals come before anything is touched (exit 2)."""
+losses, the same validation); its step checkpoint resumes on one process at cp 1, and the single-process run's
+resumes at cp 2 under DDP, each continuing on the reference's trajectory. Refusals come before anything is touched
+(exit 2)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_a_cp_checkpoint_resumes_at_cp_1_and_the_reverse(runs):
     assert [got[s] for s in sorted(got)] == pytest.approx([ref[s] for s in sorted(got)], rel=1e-4)
 
     to_two = resumable_copy(reference, tmp / "to_two")
-    rc, log = two_ranks(tmp, config(tmp, data, to_two, context_parallel=2, fsdp=True))
+    rc, log = two_ranks(tmp, config(tmp, data, to_two, context_parallel=2))  # DDP this time
     assert rc == 0, log[-3000:]
     assert f"resumed from step {KEPT}" in log and "context_parallel 1 -> 2 since the checkpoint" in log
     got = losses(to_two)
