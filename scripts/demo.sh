@@ -4,7 +4,8 @@
 #   2. the tiny Llama target, trained on the host from the Python standard library's sources (built once and cached
 #      under /var/cache/eagle3-pve, about a minute), copied into the CT with conversations made from the CT's own
 #      Python sources (training ones, and held-out ones for evaluate.yml)
-#   3. datagen.yml: eagle3 generate from the target, in the CT, as a systemd job
+#   3. datagen.yml: eagle3 generate from the target, in the CT, as a systemd job (an earlier demo's training, still
+#      running, is stopped first with cleanup.yml)
 #   4. train.yml on that data, until healthy (it keeps training: cleanup.yml stops it)
 # The folders in the CT are inventory/local's variables (eagle3_datagen_*, eagle3_train_data_dir, eagle3_evaluate_*).
 # Usage: scripts/demo.sh [MAX_SEQ_LEN]   (make demo MAX_SEQ_LEN=8192)
@@ -27,6 +28,12 @@ ansible ct129 -m ansible.builtin.copy -a "src=$target/ dest=/var/lib/eagle3/tiny
 ansible ct129 -m ansible.builtin.script -a "$ROOT/scripts/stdlib_chats.py /var/lib/eagle3/chats.jsonl executable=python3"
 ansible ct129 -m ansible.builtin.script \
     -a "$ROOT/scripts/stdlib_chats.py /var/lib/eagle3/chats-held-out.jsonl --held-out executable=python3"
+# A demo run before this one left its training running (the main job keeps training); datagen.yml refuses to start
+# beside a job that holds the GPUs, so this demo's own job is stopped first, the way a user would: cleanup.yml.
+if ansible ct129 -m ansible.builtin.command -a "systemctl is-active --quiet eagle3-train.service" >/dev/null 2>&1; then
+    say "an earlier demo's training is running in CT 129: cleanup.yml stops it first (datagen.yml needs the GPUs)"
+    ansible-playbook cleanup.yml
+fi
 say "datagen.yml: the training data from the target (eagle3 generate in the CT)"
 ansible-playbook datagen.yml
 say "train.yml -e max_seq_len=$max_seq_len on that data"

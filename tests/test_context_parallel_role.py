@@ -184,6 +184,24 @@ def test_the_planners_refusal_is_a_clear_failure(tmp_path):
     assert not (tmp_path / "train-target.yaml").exists()
 
 
+def test_without_a_memory_plan_the_planner_still_checks_the_heads(tmp_path):
+    """No memory figure anywhere (memory 0, no memory_limit_gb): the length is not bounded, but a context_parallel the
+    planner refuses still fails here, before the trainer config is written."""
+    rc, out = run_plan(
+        tmp_path, {"target": host(tmp_path, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=3"
+    )
+    assert rc == 2, out[-3000:]
+    assert "context_parallel=3 cannot run this drafter: eagle3 plan: context_parallel=3 does not divide" in out
+    assert "The service was not touched." in out and not (tmp_path / "train-target.yaml").exists()
+    (call,) = calls(tmp_path)
+    assert call["argv"][call["argv"].index("--context-parallel") + 1] == "3"
+    rc, out = run_plan(
+        tmp_path, {"target": host(tmp_path, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=2"
+    )
+    assert rc == 0, out[-3000:]
+    assert config_of(tmp_path)["context_parallel"] == 2
+
+
 def test_several_nodes_run_at_the_largest_context_parallel_any_chose(tmp_path):
     """Node a fits 30000 tokens on one worker per row, node b needs 4: the run takes 4 and the smaller length."""
     run = {
