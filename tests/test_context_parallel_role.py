@@ -192,13 +192,17 @@ def test_without_a_memory_plan_the_planner_still_checks_the_heads(tmp_path):
         tmp_path, {"target": host(tmp_path, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=3"
     )
     assert rc == 2, out[-3000:]
-    assert "context_parallel=3 cannot run this drafter: eagle3 plan: context_parallel=3 does not divide" in out
+    assert (
+        "context_parallel=3 cannot run this drafter: eagle3 plan: context_parallel=3 does not divide" in out
+    )
     assert "The service was not touched." in out and not (tmp_path / "train-target.yaml").exists()
     (call,) = calls(tmp_path)
     assert call["argv"][call["argv"].index("--context-parallel") + 1] == "3"
     again = tmp_path / "again"
     again.mkdir()
-    rc, out = run_plan(again, {"target": host(again, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=2")
+    rc, out = run_plan(
+        again, {"target": host(again, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=2"
+    )
     assert rc == 0, out[-3000:]
     assert config_of(again)["context_parallel"] == 2
 
