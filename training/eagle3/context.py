@@ -123,26 +123,18 @@ def heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     return _all_to_all(send, group).reshape(cp * m, seq // cp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Relayout(torch.autograd.Function):
+    """seq_to_heads (to_heads) or heads_to_seq, whose gradient is the other one."""
+
     @staticmethod
-    def forward(ctx, x, cp, group):
-        ctx.cp, ctx.group = cp, group
-        return seq_to_heads(x, cp, group)
+    def forward(ctx, x, cp, group, to_heads: bool):
+        ctx.cp, ctx.group, ctx.to_heads = cp, group, to_heads
+        return (seq_to_heads if to_heads else heads_to_seq)(x, cp, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad.contiguous(), ctx.cp, ctx.group), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cp, group):
-        ctx.cp, ctx.group = cp, group
-        return heads_to_seq(x, cp, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad.contiguous(), ctx.cp, ctx.group), None, None
+        back = heads_to_seq if ctx.to_heads else seq_to_heads
+        return back(grad.contiguous(), ctx.cp, ctx.group), None, None, None
 
 
 class UlyssesAttention:
@@ -159,11 +151,11 @@ class UlyssesAttention:
         """This step's queries (or keys/values: kv=True) from the sequence layout to the head layout."""
         if kv and self.kv_repeat > 1:
             t = t.repeat_interleave(self.kv_repeat, dim=0)  # its backward sums the copies' gradients
-        return _SeqToHeads.apply(t, self.shard.size, self.shard.group)
+        return _Relayout.apply(t, self.shard.size, self.shard.group, True)
 
     def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """The attention output from the head layout back to this rank's slots."""
-        return _HeadsToSeq.apply(t, self.shard.size, self.shard.group)
+        return _Relayout.apply(t, self.shard.size, self.shard.group, False)
 
     def __call__(self, q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]):
         return self.inner(q, keys, values)
