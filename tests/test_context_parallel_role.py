@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.local_inventory import local_training_inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -232,25 +233,11 @@ def local_target(tmp_path):
     runs use --check, so even a check that let something through could change nothing here."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "index.json").write_text("{}")
-    inv = tmp_path / "local.yml"
-    inv.write_text(f"""\
-all:
-  vars:
-    eagle3_root: {ROOT}
-  children:
-    training:
-      hosts:
-        ct-local:
-          ansible_connection: local
-          ansible_python_interpreter: {sys.executable}
-          eagle3_train_prefix: {tmp_path}/prefix
-          eagle3_train_config_dir: {tmp_path}/etc
-          eagle3_train_run_dir: {tmp_path}/run
-          eagle3_train_data_dir: {tmp_path}/data
-          eagle3_train_venv: {tmp_path}/venv
-          eagle3_train_nproc: 2
-""")
-    return inv
+    return local_training_inventory(
+        tmp_path / "local.yml", eagle3_train_prefix=f"{tmp_path}/prefix", eagle3_train_config_dir=f"{tmp_path}/etc",
+        eagle3_train_run_dir=f"{tmp_path}/run", eagle3_train_data_dir=f"{tmp_path}/data",
+        eagle3_train_venv=f"{tmp_path}/venv", eagle3_train_nproc=2,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.local_inventory import local_training_inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -223,24 +224,10 @@ def test_train_accepts_boolean_and_number_strings(inventory):
 def local_target(tmp_path):
     """The training host is this machine (local connection) with every path under tmp_path; the runs use --check,
     so even a validation that let something through could not change anything here."""
-    inv = tmp_path / "local.yml"
-    inv.write_text(f"""\
-all:
-  vars:
-    eagle3_root: {ROOT}
-  children:
-    training:
-      hosts:
-        ct-local:
-          ansible_connection: local
-          ansible_python_interpreter: {sys.executable}
-          eagle3_train_prefix: {tmp_path}/prefix
-          eagle3_train_config_dir: {tmp_path}/etc
-          eagle3_train_run_dir: {tmp_path}/run
-          eagle3_train_venv: {tmp_path}/venv
-          eagle3_train_venv_provided: false
-""")
-    return inv
+    return local_training_inventory(
+        tmp_path / "local.yml", eagle3_train_prefix=f"{tmp_path}/prefix", eagle3_train_config_dir=f"{tmp_path}/etc",
+        eagle3_train_run_dir=f"{tmp_path}/run", eagle3_train_venv=f"{tmp_path}/venv", eagle3_train_venv_provided=False,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.local_inventory import local_training_inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -41,22 +42,12 @@ def target(tmp_path):
         "phase": "failed", "step": 3, "max_steps": 10, "max_seq_len": 512, "world_size": 1, "updated": 0,
         "error": {"kind": "crash", "message": "test", "max_seq_len": 512},
     }))  # fmt: skip
-    inv = tmp_path / "local.yml"
-    inv.write_text(f"""\
-all:
-  vars:
-    eagle3_root: {ROOT}
-  children:
-    training:
-      hosts:
-        ct-local:
-          ansible_connection: local
-          ansible_python_interpreter: {sys.executable}
-          eagle3_train_prefix: {prefix}
-          eagle3_train_run_dir: {run_dir}
-          eagle3_train_venv: {TRAIN_VENV}
-""")
-    return inv
+    return local_training_inventory(
+        tmp_path / "local.yml",
+        eagle3_train_prefix=str(prefix),
+        eagle3_train_run_dir=str(run_dir),
+        eagle3_train_venv=str(TRAIN_VENV),
+    )
 
 
 def run_status(inventory: Path, *extra: str) -> subprocess.CompletedProcess:
