@@ -358,8 +358,9 @@ class Eagle3Drafter(nn.Module):
         mode = checkpoint_mode(activation_checkpointing)
         a, b = context.bounds(batch["input_ids"].shape[0])
         input_ids = batch["input_ids"]
-        kv_heads = 1 if self.cfg.mla is not None else self.cfg.num_kv_heads
-        attn = row_attention(TTTAttention(batch["document_ids"], attention), context, kv_heads)
+        attn = row_attention(
+            TTTAttention(batch["document_ids"], attention), context, self.cfg.attention_kv_heads
+        )
         aux = batch["aux_hidden"]
         if self.input_norm is not None:
             aux = self.input_norm(aux)

@@ -225,6 +225,11 @@ class DrafterConfig:
         """Width of the keys and of the values (k_proj, v_proj): smaller by heads / kv_heads under GQA."""
         return (self.num_kv_heads or self.num_heads) * self.head_dim
 
+    @property
+    def attention_kv_heads(self) -> int:
+        """Key/value heads the attention reads: num_kv_heads, or MLA's one latent that every head shares."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
     def context_heads(self, cp: int) -> tuple[int, int]:
         """(query heads, key/value heads) each of `cp` ranks attends with under context parallelism (eagle3.context):
         the query heads split evenly; key/value heads split too when cp divides them, else each is repeated to cp
@@ -238,7 +243,7 @@ class DrafterConfig:
         ...
         eagle3.errors.ConfigError: context_parallel=4 does not divide num_heads=6: the query heads are split over the context-parallel ranks; use a divisor of 6 (1, 2, 3, 6)
         """
-        kv = 1 if self.mla is not None else self.num_kv_heads
+        kv = self.attention_kv_heads
         if self.num_heads % cp:
             divisors = ", ".join(str(d) for d in range(1, self.num_heads + 1) if self.num_heads % d == 0)
             raise ConfigError(

@@ -50,7 +50,7 @@ def check_batch(cfg: DrafterConfig, batch: dict, context: ContextShard = SINGLE,
     if missing:
         raise DataError(f"batch lacks {missing}; a packed row needs {list(needed)}")
     seq_len = batch["input_ids"].shape[0]
-    a, b, end = context.held(seq_len, halo) if context.enabled else (0, seq_len, seq_len)
+    a, b, end = context.held(seq_len, halo)  # (0, S, S) on one rank
     h = cfg.hidden_size
     shapes = {
         "input_ids": [seq_len],

@@ -64,10 +64,9 @@ def kv_width(spec: RunSpec) -> int:
     >>> kv_width(llama) == 8 * 128, kv_width(on_cuda(SHAPES["kimi-k2.5-mla"], 8, context_parallel=8)) == 8 * 576
     (True, True)
     """
-    d, cp = spec.drafter, spec.run.context_parallel
-    if d.mla is not None:
-        return cp * d.mla.latent_dim
-    return max(d.num_kv_heads, cp) * d.head_dim
+    d = spec.drafter
+    width = d.mla.latent_dim if d.mla is not None else d.head_dim
+    return max(d.attention_kv_heads, spec.run.context_parallel) * width
 
 
 def all_to_all_bytes(spec: RunSpec, seq_len: int) -> int:
