@@ -228,17 +228,17 @@ def with_holder(result: dict, rec: dict | None) -> dict:
 
 
 def state_query(module: AnsibleModule, path: str) -> None:
-    module.exit_json(
-        **with_holder(
-            {"changed": False, "waited": 0.0, "held": read_record(path) is not None}, read_record(path)
-        )
-    )
+    try:
+        rec = read_record(path)
+    except LockError as exc:
+        module.fail_json(msg=f"cannot use the lock {path}: {exc}", waited=0.0)
+    module.exit_json(**with_holder({"changed": False, "waited": 0.0, "held": rec is not None}, rec))
 
 
 def state_released(module: AnsibleModule, path: str, owner: str) -> None:
-    if module.check_mode:
-        module.exit_json(**with_holder({"changed": False, "waited": 0.0}, read_record(path)))
     try:
+        if module.check_mode:
+            module.exit_json(**with_holder({"changed": False, "waited": 0.0}, read_record(path)))
         released, seen = release(path, owner)
     except LockError as exc:
         module.fail_json(msg=str(exc), waited=0.0)

@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import secrets
+import stat
 import time
 
 RECORD_VERSION = 2
@@ -98,22 +99,75 @@ def guarded(path: str, timeout: float = GUARD_TIMEOUT):
         os.close(fd)
 
 
+class ForeignFile(LockError):
+    """The lock's path (or its guard) is an existing file that is not a lock record of this project."""
+
+
+def is_lock_record(rec) -> bool:
+    """A record this project wrote (either version): a JSON object naming its owner and when it was taken.
+
+    >>> is_lock_record({"version": 2, "owner": "t", "since": 1.5, "renewed": 2, "ttl": 300})
+    True
+    >>> is_lock_record({"owner": "old-run", "since": 10, "pid": 1}), is_lock_record({"hostname": "x"})
+    (True, False)
+    """
+    return (
+        isinstance(rec, dict)
+        and isinstance(rec.get("owner"), str)
+        and bool(rec["owner"])
+        and isinstance(rec.get("since"), (int, float))
+        and not isinstance(rec.get("since"), bool)
+    )
+
+
+def _foreign(path: str, why: str) -> ForeignFile:
+    return ForeignFile(
+        f"{path} exists and {why}, so it is not a lock record of eagle3-pve; it was left untouched. The lock is a "
+        "file of its own: point run_lock_path at a path no other program uses (default /run/lock/eagle3-pve.lock)"
+    )
+
+
+def check_guard(path: str) -> None:
+    """The guard next to the record is ours only while it is an empty regular file (release unlinks it)."""
+    guard = guard_path(path)
+    try:
+        st = os.lstat(guard)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode) or st.st_size:
+        raise _foreign(guard, "is not the empty file the lock's guard is")
+
+
+def check_path(path: str) -> None:
+    """Raise ForeignFile when the record's path or its guard is somebody else's file (before the guard is made)."""
+    check_guard(path)
+    read_record(path)
+
+
 def read_record(path: str) -> dict | None:
-    """The record, None when there is none; an unreadable record is a holder named '?' renewed at its mtime."""
+    """The record, None when there is none. Any other file at ``path`` raises ForeignFile: never read as a holder,
+    never taken over, overwritten or removed (the lock once took over, then deleted, a user's file named by mistake).
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise _foreign(path, "is not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
             rec = json.load(f)
-        if not isinstance(rec, dict):
-            raise ValueError("not an object")
-        return rec
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        try:
-            mtime = os.path.getmtime(path)
-        except OSError:
-            return None
-        return {"owner": "?", "since": mtime, "renewed": mtime, "unreadable": True}
+        return None  # released between the lstat and the open
+    except UnicodeDecodeError:
+        raise _foreign(path, "is not text") from None
+    except ValueError:
+        raise _foreign(path, "is not JSON") from None
+    except OSError as exc:
+        raise _foreign(path, f"cannot be read ({exc.strerror})") from None
+    if not is_lock_record(rec):
+        raise _foreign(path, "is JSON without a lock's owner and start time")
+    return rec
 
 
 def write_record(path: str, rec: dict) -> None:
@@ -207,6 +261,7 @@ def acquire_once(
     dry_run: bool = False,
 ) -> tuple[str, dict | None]:
     """One atomic attempt. With dry_run, only say what a real attempt would do (no file is created or changed)."""
+    check_path(path)  # a foreign file is refused before a guard is created next to it
     if dry_run:
         return decide(read_record(path), owner, break_owner, live_owner, time.time(), take_stale)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -244,6 +299,7 @@ def renew(path: str, owner: str, ttl: float | None = None) -> tuple[dict, float]
         raise LockError(
             f"the lock {path} is no longer held by this run ({owner}): it was released or broken meanwhile"
         )
+    check_path(path)
     with guarded(path):
         now = time.time()
         cur = read_record(path)
@@ -267,6 +323,7 @@ def release(path: str, owner: str) -> tuple[bool, dict | None]:
     """Remove the record (and the guard) if this owner holds it: (released, the record seen)."""
     if not os.path.exists(path):
         return False, None
+    check_path(path)
     with guarded(path) as guard:
         cur = read_record(path)
         if cur is None or cur.get("owner") != owner:
@@ -311,8 +368,6 @@ def describe(rec: dict, now: float | None = None) -> str:
     parts.append(f"since {_when(rec.get('since'), now)}")
     parts.append(f"last renewed {_when(renewed_at(rec), now)}")
     parts.append(f"lease {lease_ttl(rec):.0f} s (owner {rec.get('owner')})")
-    if rec.get("unreadable"):
-        parts.append("record unreadable")
     return ", ".join(parts)
 
 

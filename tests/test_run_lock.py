@@ -676,3 +676,52 @@ def test_role_end_to_end_check_mode_and_another_controllers_lock(playbook):
     # Told to break it (the message names how), it does.
     broken = run("-e", "run_lock_break=bob@ctl-b:77:x")
     assert broken.returncode == 0 and list(lock.parent.iterdir()) == []
+
+
+# --- a lock path that names somebody else's file -----------------------------------------------------------
+# -e run_lock_path=/root/victim.txt once took the user's two-day-old file over as "stale, record unreadable",
+# wrote the lock's JSON into it and deleted it on release. Only a lock record of this project is ever taken over.
+FOREIGN = {
+    "a user's text file": b"my notes\n",
+    "an empty file": b"",
+    "JSON of another program": b'{"hostname": "ct129", "since": 1}',
+    "a JSON list": b"[1, 2]",
+    "binary data": bytes(range(256)),
+}
+
+
+@pytest.mark.parametrize("content", FOREIGN.values(), ids=FOREIGN.keys())
+def test_a_file_that_is_not_a_lock_record_is_refused_and_left_untouched(tmp_path, capsys, content):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(content)
+    old = time.time() - 2 * 86400
+    os.utime(victim, (old, old))
+    for state in ("acquired", "renewed", "released", "query"):
+        res, rc = run_module("target_lock", {"path": str(victim), "owner": "run-b", "state": state}, capsys)
+        assert rc == 1 and "not a lock record of eagle3-pve" in res["msg"] and "untouched" in res["msg"], (
+            state
+        )
+        assert victim.read_bytes() == content and victim.stat().st_mtime == pytest.approx(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt"]  # no guard was left beside it
+
+
+def test_a_lock_path_that_is_a_folder_a_link_or_a_busy_guard_is_refused(tmp_path, capsys):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "keep").write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target")
+    (tmp_path / "target").write_text(json.dumps(record(owner="dead-run", renewed_ago=10_000)))
+    guarded = tmp_path / "lock"
+    (tmp_path / "lock.guard").write_text("somebody's data")
+    for path in (folder, link, guarded):
+        res, rc = run_module("target_lock", {"path": str(path), "owner": "run-b", "wait": 0}, capsys)
+        assert rc == 1 and "not a lock record of eagle3-pve" in res["msg"], path
+    assert (folder / "keep").read_text() == "x" and link.is_symlink()
+    assert owner_of(tmp_path / "target") == "dead-run" and not guarded.exists()
+    assert (tmp_path / "lock.guard").read_text() == "somebody's data"
+    # check mode refuses as well (it would otherwise promise a take-over a real run refuses)
+    res, rc = run_module(
+        "target_lock", {"path": str(link), "owner": "run-b", "_ansible_check_mode": True}, capsys
+    )
+    assert rc == 1 and "untouched" in res["msg"]
