@@ -405,6 +405,28 @@ def choose_resume(
     return None, skipped
 
 
+def newest_verified(
+    run_dir: str | os.PathLike, warn: Callable[[str], None] = print
+) -> tuple[Path | None, list[dict]]:
+    """The newest checkpoint that verifies, and the damaged ones passed over on the way ({name, reason}), for the
+    commands that only read a run (`eagle3 evaluate`, `eagle3 export`): like choose_resume, but nothing is renamed.
+
+    One warning line per damaged checkpoint, naming it and why; it stays where it is (the next training start
+    verifies it again and moves it aside).
+    """
+    skipped = []
+    for _step, path in reversed(list_valid(run_dir)):
+        reason = verify(path)
+        if reason is None:
+            return path, skipped
+        warn(
+            f"warning: checkpoint {path} skipped: {reason}; left in place (this command only reads the run; "
+            "the next training start moves it aside)"
+        )
+        skipped.append({"name": path.name, "reason": reason})
+    return None, skipped
+
+
 def checkpoint_time(path: Path) -> float:
     """When the checkpoint was completed: the manifest's time, else the marker's modification time."""
     try:

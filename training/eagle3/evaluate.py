@@ -183,7 +183,8 @@ def prompts_from(records: list[dict], tokenizer, limit: int, max_prompt: int) ->
 
 def load_drafter(path: str | Path, checkpoint: str = "best"):
     """A drafter from a run folder (its `checkpoint`: best, latest or a checkpoint folder) or an export folder;
-    (model, run config or None)."""
+    (model, run config or None). Either is verified first (eagle3.trained.pick_checkpoint, export.verify_export):
+    damaged weights are never evaluated, so no result of theirs is recorded."""
     path = Path(path)
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         from eagle3.export import load_exported

@@ -2,7 +2,9 @@
 
     OUT_DIR/config.json          speculators_model_type "eagle3", speculators_config (algorithm, greedy
                                  proposal with speculative_tokens, verifier), transformer_layer_config
-                                 (a one-layer Llama config), draft_vocab_size, norm_before_residual, ...
+                                 (a one-layer Llama config), draft_vocab_size, norm_before_residual, ...;
+                                 eagle3_pve (ours): version, drafter config, model.safetensors' size and
+                                 sha256, verified before init_from or evaluate loads the export
     OUT_DIR/model.safetensors    fc, layers.0.*, norm, lm_head, d2t, t2d (+ embed_tokens, input_norm, fc_norm.{0,1,2})
 
 vLLM reads `speculators_model_type`, `transformer_layer_config`, `draft_vocab_size`,
@@ -23,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3 import __version__
+from eagle3.checkpoint import file_digest
 from eagle3.errors import ConfigError, DataError
 from eagle3.export_mla import (
     attention_names,
@@ -208,6 +211,10 @@ def export_speculators(
     # Write to temporary names, then rename: a crash never leaves a half-written export behind.
     tmp_weights, tmp_config = out / f".{WEIGHTS_FILE}.tmp", out / f".{CONFIG_FILE}.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+    # The weights' size and sha256 in config.json: whoever loads the export (init_from, evaluate) verifies them,
+    # as training's resume verifies a checkpoint against its manifest.
+    size, digest = file_digest(tmp_weights)
+    config["eagle3_pve"]["files"] = {WEIGHTS_FILE: {"size": size, "sha256": digest}}
     tmp_config.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp_weights, out / WEIGHTS_FILE)
     os.replace(tmp_config, out / CONFIG_FILE)
@@ -379,11 +386,39 @@ def config_from_export(config: dict, source: str = CONFIG_FILE) -> DrafterConfig
         raise ConfigError(f"{source}: {e}") from e
 
 
+def verify_export(directory: Path, config: dict) -> str | None:
+    """Why the export's weights do not match the size and sha256 its config.json records (`eagle3_pve.files`,
+    written by export_speculators), or None. An export without that record (speculators' own, or one written before
+    the record existed) has nothing to be checked against: None.
+
+    >>> verify_export(Path("/nonexistent"), {"eagle3_pve": {"version": "0.1"}}) is None
+    True
+    >>> verify_export(Path("/nonexistent"), {"eagle3_pve": {"files": {"model.safetensors": {"size": 8}}}})
+    'model.safetensors is missing'
+    """
+    record = config.get("eagle3_pve")
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for name, want in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if not isinstance(want, dict) or size != want.get("size"):
+            expected = want.get("size") if isinstance(want, dict) else None
+            return f"{name} has {size} bytes, config.json records {expected} (truncated or overwritten)"
+        if file_digest(path)[1] != want.get("sha256"):
+            return f"{name} does not match the sha256 config.json records (changed after it was exported)"
+    return None
+
+
 def read_export_config(
     directory: Path, *, missing: str, prefix: str = "", bad_json: str = ""
 ) -> tuple[DrafterConfig, Path]:
     """The drafter config of an export directory and the path of its weights; ConfigError when either file is
-    missing (`missing` says what to do) or the config is not JSON. Messages start with `prefix`."""
+    missing (`missing` says what to do), the config is not JSON, or the weights do not match the size and sha256
+    the config records (verify_export). Messages start with `prefix`."""
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for path in (config_path, weights_path):
         if not path.is_file():
@@ -392,6 +427,12 @@ def read_export_config(
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{prefix}{config_path} is not valid JSON ({e}){bad_json}") from e
+    damage = verify_export(directory, config)
+    if damage is not None:
+        raise ConfigError(
+            f"{prefix}the export {directory} is damaged ({damage}); it is not loaded: export it again "
+            "(python -m eagle3 export RUN_DIR OUT_DIR) or name another export"
+        )
     if is_mla_export(config):
         return config_from_deepseek_eagle3(config, str(config_path)), weights_path
     return config_from_export(config, str(config_path)), weights_path
