@@ -24,7 +24,10 @@ version_added: "1.0.0"
 author: eagle3-pve
 options:
   unit:
-    description: systemd unit of the job; stopped first, and members of its cgroup are targets.
+    description:
+      - systemd unit of the job; stopped first, and members of its cgroup are targets.
+      - An installed unit whose file eagle3-pve did not write (no C(# eagle3-pve:) line) fails the task before
+        anything is stopped.
     type: str
   stop_timeout:
     description: Seconds to wait for C(systemctl stop) (the trainer saves a checkpoint on SIGTERM).
@@ -68,7 +71,13 @@ options:
       - Default I(stop_timeout) + I(term_timeout) + 4 * I(kill_timeout).
     type: float
   sweep:
-    description: Globs of stale job files and directories, removed only when no live process references them.
+    description:
+      - Globs of stale job files, removed only when no live process references them.
+      - Each glob lies directly in C(/dev/shm), C(/tmp) or C(/var/tmp) and its name starts with at least 3 literal
+        characters (C(/dev/shm/nccl-*), never C(/dev/shm/*) or C(/srv/data/*)); any other glob fails the task
+        before anything is touched.
+      - A matching directory is removed only when it is torchrun's log folder (C(torchelastic_<id>)) without a
+        mount point in it; any other directory tree is kept and listed in RV(sweep_kept).
     type: list
     elements: str
     default: ["/dev/shm/nccl-*", "/dev/shm/torch_*", "/tmp/torchelastic_*"]
@@ -196,6 +205,12 @@ sweep_in_use:
   returned: always
   type: list
   elements: str
+sweep_kept:
+  description: Paths matching O(sweep) that were kept because they are not the job's (a directory tree other than
+    torchrun's log folder, or one with a mount point in it), each with the reason.
+  returned: always
+  type: list
+  elements: str
 sweep_errors:
   description: Swept paths that could not be removed, each with the error.
   returned: always
@@ -272,17 +287,12 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils import nvml, proc_stop, procs, respawn
+from ansible.module_utils import job_files, nvml, owned, proc_stop, procs, respawn
 
 D_STATE_HINT = (
     "state D means the process waits inside the kernel (often the NVIDIA driver after an Xid error): "
     "no signal from inside the container helps; check dmesg on the Proxmox node, then reset the GPU "
     "(nvidia-smi -r) or reboot the node"
-)
-MEMORY_HELD = (
-    "GPU memory still in use after cleanup ({listed}; tolerance {tolerance} MiB) although no process here holds a "
-    "GPU device: a process outside this container, or a context the driver has not freed (zombie with pinned "
-    "memory); check nvidia-smi on the Proxmox node"
 )
 
 
@@ -319,9 +329,12 @@ def validate(p: dict) -> tuple[procs.Selectors, proc_stop.Budget]:
         raise ValueError(
             f"gpu_memory_tolerance_mib={p['gpu_memory_tolerance_mib']} must be >= 0 (for example 1024)"
         )
-    for glob in p["devices"] + p["sweep"]:
+    for glob in p["devices"]:
         if not glob.startswith("/"):
             raise ValueError(f"path glob {glob!r} must be absolute (for example /dev/nvidia[0-9]*)")
+    for glob in p["sweep"]:
+        if problem := job_files.glob_problem(glob):
+            raise ValueError(f"sweep glob {glob} {problem}; nothing was touched")
     if p["unit"] is not None and not p["unit"].strip():
         raise ValueError("unit='' is empty; give a unit name such as eagle3-train.service or leave it out")
     if p["spare_unit"] and not p["unit"]:
@@ -342,41 +355,6 @@ def validate(p: dict) -> tuple[procs.Selectors, proc_stop.Budget]:
     )
 
 
-def measure(timeout: float) -> tuple[list[dict] | None, dict]:
-    query = nvml.query_gpus(timeout=timeout)
-    return nvml.memory_used(query), query
-
-
-def verify_memory(before_query: dict, tolerance: int, deadline: float, call_timeout: float) -> dict:
-    """Poll GPU memory until every GPU is within ``tolerance`` MiB or ``deadline`` passes.
-
-    The driver frees a context's memory shortly after the process is gone, so one reading is not enough.
-    """
-    status = {"source": before_query["source"], "tolerance_mib": tolerance, "after": None}
-    if before_query["source"] is None:
-        return dict(status, status="unverified", message="no NVML and no nvidia-smi on this host")
-    if before_query["error"] and "did not answer" in before_query["error"]:
-        return dict(status, status="unverified", message=before_query["error"])
-    interval = 0.2
-    while True:
-        # One reading always gets its full call timeout (a loaded host starts nvidia-smi slowly); the deadline
-        # bounds how long readings are repeated.
-        after, query = measure(call_timeout)
-        status["after"] = after
-        if after is None:
-            return dict(status, status="unverified", message=query["error"] or "no GPU reported")
-        over = nvml.over_tolerance(after, tolerance)
-        if not over:
-            return dict(status, status="ok", message=f"every GPU at or below {tolerance} MiB used")
-        if time.monotonic() + interval >= deadline:
-            listed = ", ".join(f"GPU {g['index']}: {g['used_mib']} MiB" for g in over)
-            return dict(
-                status, status="failed", message=MEMORY_HELD.format(listed=listed, tolerance=tolerance)
-            )
-        time.sleep(interval)
-        interval = min(interval * 1.5, 1.0)
-
-
 def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, str | None]:
     """The whole cleanup; returns (result, failure message or None)."""
     started = time.monotonic()
@@ -384,7 +362,7 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
     deadline = started + budget.total
     # nvidia-smi can hang: each call gets a tenth of the budget, between 1 and 10 s.
     call_timeout = min(10.0, max(1.0, budget.total / 10))
-    before, before_query = measure(call_timeout)
+    before, before_query = nvml.measure(call_timeout)
     unit = unit_step(selectors, budget, p["stop_report"], check_mode, deadline)
 
     remaining = max(deadline - time.monotonic(), 0.1)
@@ -406,10 +384,10 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         )  # fmt: skip
 
     held = proc_stop.referenced_paths(procs.scan())
-    unreferenced, in_use = proc_stop.sweep_candidates(p["sweep"], held)
+    unreferenced, in_use, kept = job_files.candidates(p["sweep"], held)
     removed, sweep_errors = [], []
     for path in unreferenced:
-        error = None if check_mode else proc_stop.remove_path(path)
+        error = None if check_mode else job_files.remove(path)
         (sweep_errors if error else removed).append(error or path)
 
     holders_after, protected_holders = holders_step(selectors, check_mode, self_pid)
@@ -425,7 +403,9 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         # (inside the budget), but always take at least one reading.
         now = time.monotonic()
         window = min(deadline, now + budget.kill) if outcome["targets"] else now
-        gpu = verify_memory(before_query, p["gpu_memory_tolerance_mib"], max(window, now + 1.0), call_timeout)
+        gpu = nvml.verify_memory(
+            before_query, p["gpu_memory_tolerance_mib"], max(window, now + 1.0), call_timeout
+        )
     gpu["before"] = before
 
     signalled = bool(outcome["targets"]) and not check_mode
@@ -439,6 +419,7 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         "protected_holders_after": protected_holders,
         "removed": removed,
         "sweep_in_use": in_use,
+        "sweep_kept": kept,
         "sweep_errors": sweep_errors,
         "unit": unit,
         "gpu_memory": gpu,
@@ -587,6 +568,9 @@ def main() -> None:
         validate(module.params)  # bad input fails here, before any signal
     except ValueError as e:
         module.fail_json(msg=str(e))
+    foreign = module.params["unit"] and owned.unit_problem(module.params["unit"])
+    if foreign:
+        module.fail_json(msg=f"unit {module.params['unit']} {foreign}; nothing was stopped")
     result, failed = run(module.params, module.check_mode, self_pid=os.getpid())
     if failed:
         module.fail_json(msg=f"{failed}. Summary: {result.pop('msg')}", **result)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import shutil
 import threading
+import time
 
 try:
     from ansible.module_utils.run_bounded import CommandTimeout, run_bounded
@@ -261,3 +262,46 @@ def over_tolerance(used: list[dict], tolerance_mib: float) -> list[dict]:
     [{'index': 1, 'used_mib': 40754.0}]
     """
     return [g for g in used if g["used_mib"] is None or g["used_mib"] > tolerance_mib]
+
+
+MEMORY_HELD = (
+    "GPU memory still in use after cleanup ({listed}; tolerance {tolerance} MiB) although no process here holds a "
+    "GPU device: a process outside this container, or a context the driver has not freed (zombie with pinned "
+    "memory); check nvidia-smi on the Proxmox node"
+)
+
+
+def measure(timeout: float) -> tuple[list[dict] | None, dict]:
+    """(used MiB per GPU or None, the whole query): one reading, bounded by ``timeout``."""
+    query = query_gpus(timeout=timeout)
+    return memory_used(query), query
+
+
+def verify_memory(before_query: dict, tolerance: int, deadline: float, call_timeout: float) -> dict:
+    """Poll GPU memory until every GPU is within ``tolerance`` MiB or ``deadline`` passes.
+
+    The driver frees a context's memory shortly after the process is gone, so one reading is not enough.
+    """
+    status = {"source": before_query["source"], "tolerance_mib": tolerance, "after": None}
+    if before_query["source"] is None:
+        return dict(status, status="unverified", message="no NVML and no nvidia-smi on this host")
+    if before_query["error"] and "did not answer" in before_query["error"]:
+        return dict(status, status="unverified", message=before_query["error"])
+    interval = 0.2
+    while True:
+        # One reading always gets its full call timeout (a loaded host starts nvidia-smi slowly); the deadline
+        # bounds how long readings are repeated.
+        after, query = measure(call_timeout)
+        status["after"] = after
+        if after is None:
+            return dict(status, status="unverified", message=query["error"] or "no GPU reported")
+        over = over_tolerance(after, tolerance)
+        if not over:
+            return dict(status, status="ok", message=f"every GPU at or below {tolerance} MiB used")
+        if time.monotonic() + interval >= deadline:
+            listed = ", ".join(f"GPU {g['index']}: {g['used_mib']} MiB" for g in over)
+            return dict(
+                status, status="failed", message=MEMORY_HELD.format(listed=listed, tolerance=tolerance)
+            )
+        time.sleep(interval)
+        interval = min(interval * 1.5, 1.0)

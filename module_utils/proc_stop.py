@@ -1,6 +1,6 @@
 """Stopping a GPU job's processes (standard library only): the systemd unit first, then TERM, a bounded wait and
 SIGCONT+KILL by identity, re-scanning for processes that were respawned or forked meanwhile; the survivors, and the
-sweep of stale job files.
+files the sweep must keep (the sweep itself is module_utils/job_files.py).
 
 Which processes belong to the job, and everything read from /proc, is module_utils/procs.py (the unit's pre-start
 guard is that file alone). Identity is ``(pid, start_time)``: a PID reused by another process is never signalled;
@@ -320,7 +320,7 @@ def unreaped(pids: list[int], proc: str = PROC) -> list[dict]:
     return found
 
 
-# --------------------------------------------------------------------------- stale job files (the sweep)
+# --------------------------------------------------------------------------- what the sweep must keep
 
 
 def referenced_paths(procs: dict[int, Proc], proc: str = PROC) -> set[str]:
@@ -330,35 +330,3 @@ def referenced_paths(procs: dict[int, Proc], proc: str = PROC) -> set[str]:
         if p.state not in EXITED_STATES:
             held |= open_paths(p.pid, proc)
     return held
-
-
-def sweep_candidates(globs: list[str], held: set[str]) -> tuple[list[str], list[str]]:
-    """Split existing paths matching ``globs`` into (unreferenced, in_use).
-
-    A directory is in use when a held path lies below it: removing a still-mapped NCCL segment
-    crashes its user, so only unreferenced files go.
-    """
-    import glob as globmod
-
-    free, busy = [], []
-    for path in sorted({p for g in globs for p in globmod.glob(g)}):
-        prefix = path.rstrip("/") + "/"
-        if path in held or any(h.startswith(prefix) for h in held):
-            busy.append(path)
-        else:
-            free.append(path)
-    return free, busy
-
-
-def remove_path(path: str) -> str | None:
-    """Remove a file or a directory tree; None on success, else the error text."""
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"{path}: {e.strerror}"
-    return None

@@ -38,3 +38,40 @@ def fake_systemd(tmp_path, monkeypatch):
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     return tmp_path
+
+
+class Leftovers:
+    """Files named like a GPU job's leftovers, in the real /dev/shm and /tmp (the only folders the sweep works in),
+    each name carrying a token of this test so that no glob of the test reaches anybody else's file."""
+
+    def __init__(self):
+        import secrets
+
+        self.token = f"e3t{os.getpid()}x{secrets.token_hex(3)}"
+        self.globs = [f"/dev/shm/nccl-{self.token}-*", f"/dev/shm/torch_{self.token}-*",
+                      f"/tmp/torchelastic_{self.token}_*"]  # fmt: skip
+
+    def shm(self, kind: str, name: str) -> pathlib.Path:
+        """/dev/shm/nccl-TOKEN-NAME (kind "nccl") or /dev/shm/torch_TOKEN-NAME (kind "torch")."""
+        return pathlib.Path(f"/dev/shm/{kind}{'-' if kind == 'nccl' else '_'}{self.token}-{name}")
+
+    def tmp(self, name: str) -> pathlib.Path:
+        """/tmp/torchelastic_TOKEN_NAME: torchrun's log folder form."""
+        return pathlib.Path(f"/tmp/torchelastic_{self.token}_{name}")
+
+    def remove_all(self) -> None:
+        import shutil
+
+        for root in ("/dev/shm", "/tmp"):
+            for path in pathlib.Path(root).glob(f"*{self.token}*"):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def leftovers():
+    found = Leftovers()
+    yield found
+    found.remove_all()

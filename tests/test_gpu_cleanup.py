@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 RESULT_KEYS = {
     "changed", "targets", "protected", "terminated", "killed", "unkillable", "zombies", "rounds",
-    "holders_after", "protected_holders_after", "respawned", "respawn_window", "removed", "sweep_in_use", "sweep_errors", "unit", "gpu_memory", "elapsed", "msg",
+    "holders_after", "protected_holders_after", "respawned", "respawn_window", "removed", "sweep_in_use", "sweep_kept", "sweep_errors", "unit", "gpu_memory", "elapsed", "msg",
 }  # fmt: skip
 
 
@@ -45,13 +45,13 @@ gpu_cleanup = load_module()
 
 
 @pytest.fixture
-def args(devices, tmp_path):
-    """Options that point only at this test's stand-ins (never the real /dev/nvidia* or /dev/shm)."""
-    (tmp_path / "shm").mkdir()
+def args(devices, leftovers):
+    """Options that point only at this test's stand-ins (never the real /dev/nvidia*; in /dev/shm only names that
+    carry this test's token)."""
     return {
         "marker": MARKER,
         "devices": devices.globs,
-        "sweep": [f"{tmp_path}/shm/nccl-*", f"{tmp_path}/shm/torch_*"],
+        "sweep": leftovers.globs,
         "term_timeout": 3,
         "kill_timeout": 3,
         "timeout": 20,
@@ -210,9 +210,9 @@ def test_zombie_is_reported_and_does_not_hang(jobs, devices, args, capsys):
     assert not out.get("failed")
 
 
-def test_check_mode_touches_nothing(jobs, devices, args, capsys, tmp_path):
+def test_check_mode_touches_nothing(jobs, devices, args, capsys, leftovers):
     job = jobs.start("--hold", devices["nvidia0"])
-    stale = tmp_path / "shm" / "nccl-stale"
+    stale = leftovers.shm("nccl", "stale")
     stale.write_text("x")
     out = run(args, capsys, check_mode=True)
     assert out["changed"] is True
@@ -220,13 +220,13 @@ def test_check_mode_touches_nothing(jobs, devices, args, capsys, tmp_path):
     assert job.alive() and stale.exists()
 
 
-def test_sweep_removes_only_unreferenced_files(jobs, devices, args, capsys, tmp_path):
-    shm = tmp_path / "shm"
-    (shm / "nccl-stale").write_bytes(b"\0" * 4096)
-    (shm / "torch_inuse").write_bytes(b"\0" * 4096)
-    canary = jobs.start("--hold", str(shm / "torch_inuse"), "--map-only", marker=None)
+def test_sweep_removes_only_unreferenced_files(jobs, devices, args, capsys, leftovers):
+    stale, inuse = leftovers.shm("nccl", "stale"), leftovers.shm("torch", "inuse")
+    stale.write_bytes(b"\0" * 4096)
+    inuse.write_bytes(b"\0" * 4096)
+    canary = jobs.start("--hold", str(inuse), "--map-only", marker=None)
     out = run(args, capsys)
-    assert out["removed"] == [str(shm / "nccl-stale")] and out["sweep_in_use"] == [str(shm / "torch_inuse")]
+    assert out["removed"] == [str(stale)] and out["sweep_in_use"] == [str(inuse)]
     assert out["changed"] is True and canary.alive()
     assert run(args, capsys)["changed"] is False
 

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from ansible.errors import AnsibleError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins" / "connection"))
@@ -58,11 +59,20 @@ def test_local_node_runs_argv_unchanged(node):
     assert pct.node_argv(node, "root", "ssh", "-o BatchMode=yes", argv) == argv
 
 
+@pytest.mark.parametrize(
+    ("node", "user", "named"),
+    [("-oProxyCommand=touch /tmp/x", "", "pct_node"), ("pve1", "-oProxyCommand=id", "pct_node_user"),
+     ("pve1 -p 22", "root", "pct_node"), ("pve1", "root@evil", "pct_node_user"), ("-pve", "root", "pct_node")],
+)  # fmt: skip
+def test_a_node_or_user_that_ssh_would_read_as_an_option_is_refused_naming_it(node, user, named):
+    with pytest.raises(AnsibleError, match=f"^{named}="):
+        pct.node_argv(node, user, "ssh", "", ["pct", "status", "129"])
+
+
 def test_remote_node_gets_one_quoted_line_that_splits_back_to_the_same_words():
     inner = ["pct", "exec", "129", "--", "/bin/sh", "-c", *NASTY]
     argv = pct.node_argv("pve1.example", "root", "ssh", "-o BatchMode=yes -p 2222", inner)
-    assert argv[:6] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "root@pve1.example"]
-    assert argv[6] == "--"
+    assert argv[:7] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "--", "root@pve1.example"]
     # The node's shell splits the single command string: it must give back the exact argv.
     assert shlex.split(argv[7]) == inner
 
@@ -107,11 +117,11 @@ def fake_ssh(tmp_path):
         with open({str(tmp_path / "ssh.log")!r}, "a") as f:
             f.write(json.dumps(sys.argv[1:]) + "\\n")
         args = sys.argv[1:]
-        while args[0].startswith("-"):
+        while args[0].startswith("-") and args[0] != "--":
             args = args[2:] if args[0] in ("-o", "-p", "-i", "-l") else args[1:]
+        if args[:1] == ["--"]:  # the end of the options: the destination follows, whatever it looks like
+            args = args[1:]
         host, rest = args[0], args[1:]
-        if rest[:1] == ["--"]:
-            rest = rest[1:]
         os.execvp("/bin/sh", ["/bin/sh", "-c", " ".join(rest)])
         """)
     )
@@ -262,7 +272,7 @@ def test_ssh_gets_a_control_path_and_a_connect_timeout_by_default(fake_pct, fake
     assert argv[:6] == ["-o", "BatchMode=yes", "-o", "ControlMaster=auto", "-o", "ControlPersist=60s"]
     socket = folder / pct.control_socket_name("root", "pve1", conn.get_option("ssh_args"))
     assert argv[6:10] == ["-o", f"ControlPath={socket}", "-o", f"ConnectTimeout={timeout}"]
-    assert argv[10] == "root@pve1"
+    assert argv[10:12] == ["--", "root@pve1"]
     # ssh does not create the socket's folder; the plugin does, private to the user.
     assert folder.is_dir() and folder.stat().st_mode & 0o777 == 0o700
     # Short even under this long test HOME: ssh adds 17 characters while it creates it, a socket path has < 108.

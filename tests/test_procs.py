@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import jobs as job_fixtures
 
-from module_utils import proc_stop, procs
+from module_utils import job_files, proc_stop, procs
 
 MARKER = job_fixtures.MARKER
 jobs = job_fixtures.jobs  # pytest fixtures: started helpers are reaped by identity
@@ -191,24 +191,20 @@ def test_check_mode_signals_nothing(jobs, devices):
     assert job.alive()
 
 
-def test_sweep_keeps_files_a_live_process_still_uses(jobs, tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    (shm / "nccl-stale").write_bytes(b"\0" * 4096)
-    (shm / "nccl-mapped").write_bytes(b"\0" * 4096)
-    (shm / "torchelastic_live").mkdir()
-    (shm / "torchelastic_live" / "attempt_0").write_bytes(b"\0" * 4096)
-    (shm / "torchelastic_old").mkdir()
-    (shm / "unrelated").write_text("x")
-    jobs.start("--hold", str(shm / "nccl-mapped"), "--map-only", marker=None)
-    jobs.start("--hold", str(shm / "torchelastic_live" / "attempt_0"), marker=None)
-    free, busy = proc_stop.sweep_candidates(
-        [f"{shm}/nccl-*", f"{shm}/torchelastic_*"], proc_stop.referenced_paths(procs.scan())
-    )
-    assert free == [f"{shm}/nccl-stale", f"{shm}/torchelastic_old"]
-    assert busy == [f"{shm}/nccl-mapped", f"{shm}/torchelastic_live"]
-    assert [proc_stop.remove_path(p) for p in free] == [None, None]
-    assert sorted(p.name for p in shm.iterdir()) == ["nccl-mapped", "torchelastic_live", "unrelated"]
+def test_sweep_keeps_files_a_live_process_still_uses(jobs, leftovers):
+    stale, mapped = leftovers.shm("nccl", "stale"), leftovers.shm("nccl", "mapped")
+    stale.write_bytes(b"\0" * 4096)
+    mapped.write_bytes(b"\0" * 4096)
+    live, old = leftovers.tmp("live"), leftovers.tmp("old")
+    (live / "attempt_0").mkdir(parents=True)
+    (live / "attempt_0" / "error.json").write_bytes(b"\0" * 4096)
+    old.mkdir()
+    jobs.start("--hold", str(mapped), "--map-only", marker=None)
+    jobs.start("--hold", str(live / "attempt_0" / "error.json"), marker=None)
+    free, busy, kept = job_files.candidates(leftovers.globs, proc_stop.referenced_paths(procs.scan()))
+    assert free == [str(stale), str(old)] and busy == [str(mapped), str(live)] and kept == []
+    assert [job_files.remove(p) for p in free] == [None, None]
+    assert not stale.exists() and not old.exists() and mapped.exists() and live.exists()
 
 
 def test_bad_selectors_are_rejected_with_the_value():

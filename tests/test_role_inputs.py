@@ -57,7 +57,7 @@ HOSTILE = [
 # and where they land (argv entries, module parameters, quoted env values, a JSON record, no_log) keeps them inert.
 INERT = {"text", "argv_item", "secret", "controller_path", "regex", "trainer_config", "raw"}
 STRINGISH = {"list", "dict"} | set(grammar.KINDS)
-PATH_KINDS = {"abspath", "path_glob", "command", "bind_pair"}
+PATH_KINDS = {"abspath", "path_glob", "command", "bind_pair", "owned_dir", "sweep_glob"}
 
 
 def kind_of(entry: dict) -> str:

@@ -163,6 +163,7 @@ pct_ssh_connect_timeout: 20
 
 import hashlib
 import os
+import re
 import secrets
 import shlex
 import subprocess
@@ -209,21 +210,51 @@ def ssh_options(control_path: str, connect_timeout: int) -> list[str]:
     return options
 
 
+# A node is a host name or an IP address, a user a login name: neither may start with "-", where ssh would read it
+# as an option (-oProxyCommand=...), and both come after "--" on ssh's command line as well.
+NODE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
+NODE_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def check_node(node: str, user: str) -> None:
+    """Raise AnsibleError naming pct_node or pct_node_user when it is not a host name / login name.
+
+    >>> check_node("pve1", "root"), check_node("10.0.0.5", "")
+    (None, None)
+    >>> check_node("-oProxyCommand=id", "")
+    Traceback (most recent call last):
+    ...
+    ansible.errors.AnsibleError: pct_node='-oProxyCommand=id' is not a host name or an IP address; allowed: letters, digits, . _ - (not first or last), or an IP address
+    """
+    if not isinstance(node, str) or not NODE_NAME.fullmatch(node):
+        raise AnsibleError(
+            f"pct_node={node!r} is not a host name or an IP address; allowed: letters, digits, . _ - (not first "
+            "or last), or an IP address"
+        )
+    if user and not NODE_USER.fullmatch(user):
+        raise AnsibleError(
+            f"pct_node_user={user!r} is not a login name; allowed: a letter or _, then letters, digits, _ . - "
+            "(at most 32), or empty for ssh's own default"
+        )
+
+
 def node_argv(
     node: str, user: str, ssh_executable: str, ssh_args: str, argv: list[str], options: list[str] = ()
 ) -> list[str]:
     """Wrap ``argv`` so that it runs on the node: unchanged when local, one quoted command line over ssh.
 
     ssh hands the remote shell a single string, so the argv is joined with POSIX quoting and the node's
-    shell splits it back into exactly the same words (spaces, quotes, ``$`` and newlines included).
+    shell splits it back into exactly the same words (spaces, quotes, ``$`` and newlines included). The
+    destination comes after ``--``, so ssh never reads it as an option.
 
     >>> node_argv("pve1", "root", "ssh", "-o BatchMode=yes", ["pct", "exec", "129", "--", "echo", "a b"])
-    ['ssh', '-o', 'BatchMode=yes', 'root@pve1', '--', "pct exec 129 -- echo 'a b'"]
+    ['ssh', '-o', 'BatchMode=yes', '--', 'root@pve1', "pct exec 129 -- echo 'a b'"]
     """
     if node in LOCAL_NODES:
         return list(argv)
+    check_node(node, user)
     target = f"{user}@{node}" if user else node
-    return [ssh_executable, *shlex.split(ssh_args), *options, target, "--", shlex.join(argv)]
+    return [ssh_executable, *shlex.split(ssh_args), *options, "--", target, shlex.join(argv)]
 
 
 def control_socket_name(user: str, node: str, ssh_args: str) -> str:

@@ -40,13 +40,21 @@ def target_constant(name: str):
     '/dev/nvidia[0-9]*'
     """
     module_name, attr = _split(name, "procs.DEVICE_GLOBS")
-    path = ROOT / "module_utils" / f"{module_name}.py"
+    return copy.deepcopy(getattr(target_module(module_name), attr))
+
+
+def target_module(module_name: str):
+    """module_utils/MODULE.py loaded on the controller (standard library only), for a check it declares once.
+
+    >>> target_module("job_files").glob_problem("/dev/shm/nccl-*") is None
+    True
+    """
     key = f"_target_constant_{module_name}"
     if key not in sys.modules:  # (registered before it runs: a dataclass looks its module up there)
-        spec = importlib.util.spec_from_file_location(key, path)
+        spec = importlib.util.spec_from_file_location(key, ROOT / "module_utils" / f"{module_name}.py")
         sys.modules[key] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[key])
-    return copy.deepcopy(getattr(sys.modules[key], attr))
+    return sys.modules[key]
 
 
 def trainer_constant(name: str):

@@ -21,6 +21,15 @@ import json
 import math
 import posixpath
 import re
+import sys
+from pathlib import Path
+
+# declared_constants.py beside this file: Ansible loads a plugin by its path, not as part of a package.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from declared_constants import target_module
 
 _BOOL_TRUE = {"true", "yes", "on", "1"}  # exactly what ansible.builtin.bool accepts (lower-cased)
 _BOOL_FALSE = {"false", "no", "off", "0"}
@@ -193,6 +202,90 @@ def _path(glob: bool = False, allowed: str = "an absolute path on the target, e.
     return check
 
 
+def _sweep_glob():
+    roots = target_module("job_files").SWEEP_ROOTS
+
+    def check(value, spec) -> str | None:
+        return path_problem(value, glob=True) or target_module("job_files").glob_problem(value)
+
+    check.allowed = (
+        f"a glob of a GPU job's leftover files directly in {', '.join(roots)}, its name starting with at least 3 "
+        "literal characters, e.g. /dev/shm/nccl-*"
+    )
+    return check
+
+
+def _owned_dir():
+    def check(value, spec) -> str | None:
+        if spec.get("empty") and value in ("", None):
+            return None
+        return path_problem(value) or target_module("owned").system_dir_problem(value)
+
+    check.allowed = (
+        "a folder of its own on the target, never a system folder (/, /etc, /usr, /var/lib, ...), "
+        f"e.g. /var/lib/eagle3 (characters: {PATH_CHARS_TEXT})"
+    )
+    return check
+
+
+# Environment names the workers get from the role or from torchrun, never from eagle3_train_env: the job's marker
+# (EAGLE3_JOB, how the clean-up finds an orphaned worker; every EAGLE3_* name is the project's), the trainer's
+# location, the collectives' interfaces (their own role variables) and torchrun's rank variables.
+WORKER_ENV_RESERVED = {
+    "PYTHONPATH": "the role sets it to the trainer's sources",
+    "GLOO_SOCKET_IFNAME": "set eagle3_train_socket_ifname",
+    "NCCL_SOCKET_IFNAME": "set eagle3_train_socket_ifname",
+    "NCCL_IB_HCA": "set eagle3_train_nccl_ib_hca",
+    **{
+        n: "torchrun sets it for each worker"
+        for n in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "ROLE_RANK",
+            "ROLE_WORLD_SIZE",
+            "ROLE_NAME",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
+    },
+}
+WORKER_ENV_RESERVED_PREFIXES = {
+    "EAGLE3_": "the project's own names: EAGLE3_JOB marks every process of the job for the clean-up",
+    "TORCHELASTIC_": "torchrun sets it for each worker",
+}
+
+
+def worker_env_problem(name) -> str | None:
+    """Why ``name`` may not be set through eagle3_train_env, or None.
+
+    >>> worker_env_problem("NCCL_DEBUG") is None
+    True
+    >>> print(worker_env_problem("EAGLE3_JOB"))
+    is set by the role, not by eagle3_train_env (the project's own names: EAGLE3_JOB marks every process of the job for the clean-up)
+    """
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return "has the wrong form"
+    why = WORKER_ENV_RESERVED.get(name) or next(
+        (w for p, w in WORKER_ENV_RESERVED_PREFIXES.items() if name.startswith(p)), None
+    )
+    return f"is set by the role, not by eagle3_train_env ({why})" if why else None
+
+
+def _worker_env_name():
+    def check(value, spec) -> str | None:
+        return worker_env_problem(value)
+
+    check.allowed = (
+        "an environment variable name (letters, digits, _) other than those the role or torchrun sets "
+        f"({', '.join(sorted(WORKER_ENV_RESERVED))}, {', '.join(p + '*' for p in WORKER_ENV_RESERVED_PREFIXES)})"
+    )
+    return check
+
+
 def _flag():
     def check(value, spec) -> str | None:
         return None if as_bool(value) is not None else "is not a boolean"
@@ -233,6 +326,8 @@ def _regex():
 
 KINDS = {
     "abspath": _path(),
+    "sweep_glob": _sweep_glob(),
+    "owned_dir": _owned_dir(),
     "path_glob": _path(glob=True, allowed="an absolute path or glob on the target, e.g. /dev/nvidia[0-9]*"),
     "controller_path": _text("a folder on the controller (relative to the playbooks or absolute)"),
     "unit": _kind(
@@ -242,6 +337,7 @@ KINDS = {
     "env_marker": _kind(
         r"[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.:/@+-]+", "NAME=VALUE, e.g. EAGLE3_JOB=eagle3-train"
     ),
+    "worker_env_name": _worker_env_name(),
     "env_name": _kind(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name (letters, digits, _)"),
     "proc_glob": _kind(
         r"[A-Za-z0-9_.:@+*?\[\]-]+", "a process name or glob, e.g. nvidia-persistenced or dcgm*", 64

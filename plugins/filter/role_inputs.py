@@ -266,7 +266,7 @@ def role_input_errors(
     more names that are the role's (those of its defaults/main.yml).
 
     >>> role_input_errors({"eagle3_train_run_dir": "/tmp; rm -rf /"}, "eagle3_train")
-    ['eagle3_train_run_dir=/tmp; rm -rf / holds characters a path here may not have (" ", ";"); allowed: an absolute path on the target, e.g. /var/lib/eagle3 (characters: letters, digits and . _ + @ , : = / -)']
+    ['eagle3_train_run_dir=/tmp; rm -rf / holds characters a path here may not have (" ", ";"); allowed: a folder of its own on the target, never a system folder (/, /etc, /usr, /var/lib, ...), e.g. /var/lib/eagle3 (characters: letters, digits and . _ + @ , : = / -)']
     >>> role_input_errors({"eagle3_train_synth_if_mising": True}, "eagle3_train")
     ['eagle3_train_synth_if_mising=true is not a variable of the eagle3_train role; did you mean eagle3_train_synth_if_missing?']
     """
