@@ -11,6 +11,11 @@ description:
     stands in one line. Only reads; the same in check mode.
   - The dataset is C(finished) when its C(index.json) exists (eagle3 generate writes it last).
   - Without O(out), the dataset folder is the first argument after C(generate) in the unit's C(ExecStart).
+  - 'A job stopped by its output folder (exit status 5, C(EXIT_STORAGE) of the trainer''s C(eagle3.errors), when
+    the folder is full, read-only or not writable) is C(failed), and RV(fault) names the folder, the errno and the
+    error kind, read from the job''s last line, for example "eagle3 generate: the output folder /d is full (ENOSPC,
+    disk_full): free space there, ...". systemd does not restart it; the complete shards are kept and the next
+    datagen.yml resumes after them.'
 version_added: "1.0.0"
 author: eagle3-pve
 options:
@@ -97,6 +102,14 @@ summary:
   returned: always
   type: str
   sample: "eagle3-datagen.service: active, generate: 128/400 samples, 14026 tokens/s, ETA 42 s; 1 restart(s)"
+fault:
+  description:
+    - The output folder that stopped the job (exit status 5, never restarted), null otherwise.
+    - C(kind) is C(disk_full) (ENOSPC, EDQUOT), C(read_only) (EROFS) or C(no_permission) (EACCES, EPERM), as in the
+      trainer's status.json; C(kind) and C(errno) are null when the job's last line is no longer in the journal.
+  returned: always
+  type: dict
+  sample: {"kind": "disk_full", "errno": "ENOSPC", "path": "/var/lib/eagle3/data"}
 """
 
 import json
@@ -105,9 +118,15 @@ import subprocess
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.train_status import EXIT_STORAGE, STORAGE_ERROR_KINDS
 
 PROPERTIES = ("LoadState", "ActiveState", "Result", "ExecMainStatus", "NRestarts", "ExecStart")
 PROGRESS_PREFIXES = ("generate:", "tiny-target:")
+# The line eagle3 generate ends with when its output folder refuses a write (training/eagle3/storage.py,
+# storage_line; the format is a contract in docs/contracts.md). Paths hold no spaces (the inputs' grammar).
+FAULT_LINE = re.compile(
+    r"^eagle3 generate: the output folder (?P<path>\S+) [^(]*\((?P<errno>E[A-Z]+), (?P<kind>[a-z_]+)\)"
+)
 
 
 def out_from_execstart(execstart: str) -> str:
@@ -124,6 +143,27 @@ def out_from_execstart(execstart: str) -> str:
     argv = re.search(r"argv\[\]=([^;]*)", execstart)
     words = argv.group(1).split() if argv else []
     return words[words.index("generate") + 1] if "generate" in words[:-1] else ""
+
+
+def storage_fault(status: int, out: str, log: list[str]) -> dict | None:
+    """The output folder that stopped the job ({kind, errno, path}), when it exited with EXIT_STORAGE; else None.
+    The newest such line of the journal is this run's (an older run's line never counts: the status decides).
+
+    >>> storage_fault(5, "/d", ["generate: 4/8 samples", "eagle3 generate: the output folder /d is full (ENOSPC, "
+    ...               "disk_full): free space there, then run datagen.yml (or this command) again; the 2 complete "
+    ...               "shards are kept"])
+    {'kind': 'disk_full', 'errno': 'ENOSPC', 'path': '/d'}
+    >>> storage_fault(5, "/d", []), storage_fault(1, "/d", ["eagle3 generate: the output folder /d is read-only "
+    ...                                                      "(EROFS, read_only): ..."])
+    ({'kind': None, 'errno': None, 'path': '/d'}, None)
+    """
+    if status != EXIT_STORAGE:
+        return None
+    for line in reversed(log):
+        match = FAULT_LINE.match(line)
+        if match and match.group("kind") in STORAGE_ERROR_KINDS:
+            return {"kind": match.group("kind"), "errno": match.group("errno"), "path": match.group("path")}
+    return {"kind": None, "errno": None, "path": out}
 
 
 def describe(unit: str, props: dict, out: str, log: list[str], samples: int | None) -> dict:
@@ -143,6 +183,13 @@ def describe(unit: str, props: dict, out: str, log: list[str], samples: int | No
     'd.service: failed (exit-code, exit status 2): eagle3.generate: error: --data /x does not exist'
     >>> describe("d.service", {"LoadState": "not-found", "ActiveState": "inactive"}, "", [], None)["summary"]
     'd.service: not set up (no datagen.yml has run here)'
+    >>> r = describe("d.service", {"LoadState": "loaded", "ActiveState": "failed", "Result": "exit-code",
+    ...              "ExecMainStatus": "5"}, "/o", ["eagle3 generate: the output folder /o is read-only (EROFS, "
+    ...              "read_only): remount it read-write, ..."], None)
+    >>> r["summary"]
+    'd.service: failed, stopped by its output folder, not restarted (exit status 5): eagle3 generate: the output folder /o is read-only (EROFS, read_only): remount it read-write, ...'
+    >>> r["fault"]
+    {'kind': 'read_only', 'errno': 'EROFS', 'path': '/o'}
     """
     active = props.get("ActiveState", "")
     status = int(props.get("ExecMainStatus") or 0)
@@ -151,12 +198,19 @@ def describe(unit: str, props: dict, out: str, log: list[str], samples: int | No
     line = progress[-1] if progress else ""
     exists = props.get("LoadState", "not-found") != "not-found"
     again = f"; {restarts} restart(s)" if restarts else ""
+    fault = storage_fault(status, out, log) if exists and samples is None else None
     if not exists:
         summary = f"{unit}: not set up (no datagen.yml has run here)"
     elif samples is not None:
         summary = f"{unit}: finished, dataset complete in {out} ({samples} samples){again}"
     elif active in ("active", "activating", "reloading"):
         summary = f"{unit}: {active}, {line or 'no progress line yet'}{again}"
+    elif fault is not None:
+        said = next((x for x in reversed(log) if FAULT_LINE.match(x)), None) or (
+            f"the output folder {out} refused a write (full, read-only or not writable; the job's line is no longer "
+            "in the journal)"
+        )
+        summary = f"{unit}: failed, stopped by its output folder, not restarted (exit status {status}{again}): {said}"
     elif active == "failed" or status != 0:
         last = log[-1] if log else "no log lines"
         summary = f"{unit}: failed ({props.get('Result') or 'exit'}, exit status {status}{again}): {last}"
@@ -174,6 +228,7 @@ def describe(unit: str, props: dict, out: str, log: list[str], samples: int | No
         "tail": log[-12:],
         "progress": line or f"{unit} {active}",
         "summary": summary,
+        "fault": fault,
     }
 
 

@@ -19,6 +19,11 @@ Resumable: samples are written in shards of `--shard-samples`, each to a tempora
 in an order fixed by the input; a restart (after kill -9 too) keeps every complete shard and writes the rest, so no
 sample is lost or doubled. index.json comes last. Under torchrun each rank writes the shards n with
 n % world_size == rank; rank 0 writes the index when all are there.
+
+An output folder that refuses a write (full: ENOSPC/EDQUOT, read-only: EROFS, not writable: EACCES/EPERM) stops
+the command with exit 5 (eagle3.errors.EXIT_STORAGE; the datagen unit never restarts on it) and one line naming
+the folder, the errno and the error kind (`storage_line`); the complete shards are kept, the shard being written
+is removed.
 """
 
 from __future__ import annotations
@@ -27,11 +32,14 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.errors import ConfigError, DataError
+from eagle3.errors import EXIT_OK, EXIT_STORAGE, ConfigError, DataError, StorageError
+from eagle3.regenerate import regenerate
+from eagle3.storage import output_writes, storage_line
 
 SHARD_NAME = "shards/shard_{:05d}.safetensors"
 PLAN_FILE = "generate_plan.json"
@@ -154,65 +162,6 @@ def build_plan(records: list[dict], tokenizer, max_len: int) -> list[Sample]:
     return samples
 
 
-REGENERATED_FILE = "regenerated.jsonl"
-
-
-def regenerate(records: list[dict], model, tokenizer, out: Path, *, temperature: float, seed: int,
-               max_new: int, log=print) -> list[dict]:  # fmt: skip
-    """The records with every assistant turn replaced by the target's own response to the turns before it (greedy
-    at temperature 0, else sampled with seed + sample number), so the drafter learns what the target will say.
-
-    Written as it goes to OUT/regenerated.jsonl, one line per record, flushed and synced: a restart reads the
-    complete lines back and regenerates from the first missing one (a torn last line is dropped)."""
-    import torch
-
-    path = out / REGENERATED_FILE
-    done: list[dict] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                done.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut by a kill: regenerated again
-        done = done[: len(records)]
-        with path.open("w") as f:  # rewrite without the torn tail
-            f.writelines(json.dumps(r) + "\n" for r in done)
-    if done:
-        log(f"generate: regenerate: resuming after {len(done)} of {len(records)} records", flush=True)
-    device = next(model.parameters()).device
-    started = time.monotonic()
-    with path.open("a") as f:
-        for n in range(len(done), len(records)):
-            record = records[n]
-            if "messages" in record:
-                turns = [dict(t) for t in record["messages"]]
-                for i, turn in enumerate(turns):
-                    if turn["role"] != "assistant":
-                        continue
-                    prompt = tokenizer.apply_chat_template(
-                        turns[:i], add_generation_prompt=True, return_dict=True
-                    )
-                    ids = torch.tensor([list(prompt["input_ids"])], device=device)
-                    torch.manual_seed(seed + n)
-                    with torch.inference_mode():
-                        new = model.generate(
-                            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                            top_p=None, top_k=None, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                        )[0, ids.shape[1]:]  # fmt: skip
-                    turn["content"] = tokenizer.decode(new, skip_special_tokens=True)
-                record = {"messages": turns}
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            done.append(record)
-            if (n + 1) % 16 == 0 or n + 1 == len(records):
-                log(f"generate: regenerated {n + 1}/{len(records)} records ({time.monotonic() - started:.0f} s)",
-                    flush=True)  # fmt: skip
-    return done
-
-
 def _plan_digest(samples: list[Sample], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for s in samples:
@@ -308,35 +257,38 @@ def generate(
     layers, vocab, draft = _target_shape(config, aux_layers, draft_vocab)
     tokenizer, model = _load_target(target, device)
     records = read_records(Path(data))
-    out.mkdir(parents=True, exist_ok=True)
-    if regenerate_responses:
-        if world_size > 1:
-            raise ConfigError(
-                "generate: --regenerate runs on one rank (run it once, then generate under torchrun)"
-            )
-        records = regenerate(records, model, tokenizer, out, temperature=temperature, seed=seed,
-                             max_new=regenerate_max_new, log=log)  # fmt: skip
-    samples = build_plan(records, tokenizer, max_len)
-    settings = {"target": str(target.resolve()), "data": str(Path(data).resolve()), "max_len": max_len,
-                "aux_layers": list(layers), "dtype": dtype, "shard_samples": shard_samples,
-                "regenerate": {"temperature": temperature, "seed": seed, "max_new": regenerate_max_new}
-                if regenerate_responses else None}  # fmt: skip
-    digest = _plan_digest(samples, settings)
-    (out / "shards").mkdir(exist_ok=True)
-    if rank == 0:
-        _claim_folder(out, digest, settings, len(samples))
-    shards = [range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)]
-    complete = _shard_check(out, shards, store)
-    mine = [n for n in range(len(shards)) if n % world_size == rank]
-    todo = [n for n in mine if not complete(n)]
-    if len(todo) < len(mine):
-        log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
-    _write_shards(model, layers, samples, shards, todo, out, store, rank, log)
-    if rank != 0:
-        return None
-    return _finish(
-        model, config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, log
-    )
+    with output_writes(out):  # a folder that refuses a write: StorageError naming it (exit EXIT_STORAGE)
+        out.mkdir(parents=True, exist_ok=True)
+        if regenerate_responses:
+            if world_size > 1:
+                raise ConfigError(
+                    "generate: --regenerate runs on one rank (run it once, then generate under torchrun)"
+                )
+            records = regenerate(records, model, tokenizer, out, temperature=temperature, seed=seed,
+                                 max_new=regenerate_max_new, log=log)  # fmt: skip
+        samples = build_plan(records, tokenizer, max_len)
+        settings = {"target": str(target.resolve()), "data": str(Path(data).resolve()), "max_len": max_len,
+                    "aux_layers": list(layers), "dtype": dtype, "shard_samples": shard_samples,
+                    "regenerate": {"temperature": temperature, "seed": seed, "max_new": regenerate_max_new}
+                    if regenerate_responses else None}  # fmt: skip
+        digest = _plan_digest(samples, settings)
+        (out / "shards").mkdir(exist_ok=True)
+        if rank == 0:
+            _claim_folder(out, digest, settings, len(samples))
+        shards = [
+            range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)
+        ]
+        complete = _shard_check(out, shards, store)
+        mine = [n for n in range(len(shards)) if n % world_size == rank]
+        todo = [n for n in mine if not complete(n)]
+        if len(todo) < len(mine):
+            log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
+        _write_shards(model, layers, samples, shards, todo, out, store, rank, log)
+        if rank != 0:
+            return None
+        return _finish(
+            model, config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, log
+        )
 
 
 def _check_arguments(target: Path, out: Path, dtype: str, shard_samples: int, max_len: int):
@@ -514,8 +466,14 @@ def _write_shards(model, layers, samples: list[Sample], shards: list[range], tod
                 done_tokens += ids.numel()
             path = out / SHARD_NAME.format(n)
             tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
+            try:
+                save_file(tensors, str(tmp))
+                with open(tmp, "rb") as f:  # a write error that shows only at sync (NFS, quota) shows here
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)  # complete: only now does it have the name a resume trusts
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a half-written shard never stays behind, and frees its space
+                raise
             if os.environ.get(FAULT_KILL_ENV, "") == str(n):
                 import signal
 
@@ -589,10 +547,14 @@ def main(argv: list[str]) -> int:
 
         if torch.cuda.is_available():
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    generate(
-        args.target, args.data, args.out_dir, max_len=args.max_len, aux_layers=layers,
-        draft_vocab=args.draft_vocab, dtype=args.dtype, shard_samples=args.shard_samples, device=device,
-        rank=rank, world_size=world, regenerate_responses=args.regenerate, temperature=args.temperature,
-        seed=args.seed, regenerate_max_new=args.max_new,
-    )  # fmt: skip
-    return 0
+    try:
+        generate(
+            args.target, args.data, args.out_dir, max_len=args.max_len, aux_layers=layers,
+            draft_vocab=args.draft_vocab, dtype=args.dtype, shard_samples=args.shard_samples, device=device,
+            rank=rank, world_size=world, regenerate_responses=args.regenerate, temperature=args.temperature,
+            seed=args.seed, regenerate_max_new=args.max_new,
+        )  # fmt: skip
+    except StorageError as e:  # a restart cannot help: the unit's RestartPreventExitStatus holds EXIT_STORAGE
+        print(storage_line(e), file=sys.stderr, flush=True)
+        return EXIT_STORAGE
+    return EXIT_OK
