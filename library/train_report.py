@@ -148,7 +148,14 @@ from ansible.module_utils.procs import holders
 from ansible.module_utils.restart_backoff import DEFAULT_UNIT
 from ansible.module_utils.restart_backoff import STATE_FILE as BACKOFF_FILE
 from ansible.module_utils.restart_backoff import read_state
-from ansible.module_utils.train_status import read_status, run_state, status_path, unit_state, unit_workers
+from ansible.module_utils.train_status import (
+    metrics_stand_in,
+    read_status,
+    run_state,
+    status_path,
+    unit_state,
+    unit_workers,
+)
 
 LAST_STOP_FILE = "last-stop.json"  # written by eagle3.launch when a stop had to SIGKILL workers
 TENSORBOARD_DIR = "tensorboard"  # eagle3.observe's folder of event files in the run directory
@@ -186,6 +193,9 @@ def main():
     p = module.params
     unit = unit_state(p["unit"])
     status = read_status(status_path(p["run_dir"]))
+    # status.json gone (deleted, its folder replaced) while the unit runs: metrics.jsonl is the evidence of its steps.
+    stand_in = metrics_stand_in(p["run_dir"], started_at(unit)) if status is None else None
+    status = status or stand_in
     state_dir = p["state_dir"] or p["run_dir"]
     backoff = read_state(os.path.join(state_dir, BACKOFF_FILE))
     run = run_state(
@@ -196,6 +206,12 @@ def main():
         time.time(),
         status_file=status_path(p["run_dir"]),
     )
+    if stand_in:
+        note = (
+            f"{status_path(p['run_dir'])} is missing (the trainer rewrites it at its next logged step; was it deleted?): "
+            f"step and rates from metrics.jsonl, written {max(time.time() - stand_in['updated'], 0):.0f} s ago"
+        )
+        run["detail"] = f"{run['detail']}; {note}" if run["detail"] else note
     run["workers"] = unit_workers(unit)  # what the unit starts, not what the last status happened to say
     last_stop = read_status(os.path.join(state_dir, LAST_STOP_FILE))
     if last_stop and status and float(last_stop.get("time") or 0) < float(status.get("updated") or 0):

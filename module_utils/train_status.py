@@ -169,6 +169,46 @@ def status_path(run_dir: str) -> str:
     return os.path.join(run_dir, "status.json")
 
 
+# The status.json fields a metrics.jsonl train record carries too (the trainer writes both from the same record).
+STAND_IN_FIELDS = ("step", "epoch", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "peak_mem_gb", "eta_s")
+
+
+def metrics_stand_in(run_dir: str, started_at: float, tail_bytes: int = 65536) -> dict | None:
+    """When status.json is missing: the last train record of metrics.jsonl as the run's status, if this run (the
+    unit's process, started at ``started_at``) appended it; None when there is no such evidence.
+
+    >>> import json, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+    ...     _ = f.write(json.dumps({"kind": "train", "step": 7, "step_time_s": 2.0}) + "\\n")
+    ...     _ = f.write(json.dumps({"kind": "val", "step": 7, "loss": 1.0}) + "\\n")
+    >>> r = metrics_stand_in(d, started_at=1)
+    >>> r["step"], r["phase"], r["source"]
+    (7, 'training', 'metrics.jsonl')
+    >>> metrics_stand_in(d, started_at=os.path.getmtime(os.path.join(d, "metrics.jsonl")) + 60) is None
+    True
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            mtime = os.fstat(f.fileno()).st_mtime
+            if not started_at or mtime < started_at:
+                return None  # written before this run started: no evidence of this run
+            f.seek(max(os.fstat(f.fileno()).st_size - tail_bytes, 0))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("kind", "train") == "train" and "step" in record:
+            found = {k: record[k] for k in STAND_IN_FIELDS if k in record}
+            return {**found, "phase": "training", "updated": mtime, "source": "metrics.jsonl"}
+    return None
+
+
 # --- one state for the whole run -------------------------------------------------------------------------
 
 RUN_STATES = ("running", "starting", "stopped", "finished", "failed", "crash-looping")

@@ -204,6 +204,27 @@ def test_train_report_puts_unit_status_and_restart_record_together(fake_systemd,
     assert res["foreign_holders"] == [] and res["status_age_s"] <= 5
 
 
+def test_a_deleted_status_file_during_a_healthy_run_is_not_called_starting(fake_systemd, tmp_path, capsys):
+    # status.json deleted again and again while the run trains: metrics.jsonl shows the steps this run made.
+    started = int((time.monotonic() - 60) * 1e6)
+    (fake_systemd / "show").write_text(
+        f"ActiveState=active\nSubState=running\nResult=success\nExecMainStartTimestampMonotonic={started}\n"
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"kind": "train", "step": s, "step_time_s": 2.0, "tokens_per_s": 900.0} for s in (1, 2, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    res, rc = run_module("train_report", {"run_dir": str(run_dir)}, capsys)
+    assert rc == 0 and res["run"]["state"] == "running", res["run"]
+    assert res["status"]["step"] == 3 and res["status"]["source"] == "metrics.jsonl"
+    assert "status.json is missing" in res["run"]["detail"] and "metrics.jsonl" in res["run"]["detail"]
+    # metrics.jsonl from before this start is no evidence of this run: nothing is made up.
+    old = time.time() - 3600
+    os.utime(run_dir / "metrics.jsonl", (old, old))
+    res, rc = run_module("train_report", {"run_dir": str(run_dir)}, capsys)
+    assert res["run"]["state"] == "starting" and res["status"] == {}
+
+
 @pytest.mark.parametrize(
     ("line", "says"),
     [
