@@ -28,6 +28,15 @@ options:
     type: list
     elements: dict
     default: []
+attributes:
+  check_mode:
+    support: full
+    details: Read-only; the same checks run in check mode.
+  diff_mode:
+    support: none
+  platform:
+    platforms: posix
+    details: Any Linux target; units are asked of C(systemctl show) (none installed without systemd).
 """
 
 EXAMPLES = r"""
