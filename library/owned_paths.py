@@ -17,6 +17,8 @@ description:
   - Fails with every problem at once, each naming the variable and the value; succeeds with changed=false otherwise.
 version_added: "1.1.0"
 author: eagle3-pve
+extends_documentation_fragment:
+  - action_common_attributes
 options:
   dirs:
     description: Folders to check, each C({var, path, marks}).
