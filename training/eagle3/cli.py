@@ -1,4 +1,4 @@
-"""Command line: `python -m eagle3 {train,synth,plan,export,import,report}` (also the `eagle3` console script)."""
+"""Command line: `python -m eagle3 {train,synth,plan,export,import,report,...}` (also the `eagle3` console script)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ report RUN_DIR [RUN_DIR ...] -o report.png|report.html   plots of one run, or se
 generate OUT_DIR --target DIR --data FILE [...]   training data from a local Hugging Face target (resumable)
 evaluate DRAFTER --target DIR --data FILE [--k 3]   real acceptance length (speculative decoding)
 tiny-target OUT_DIR [--steps N]                   train the tiny Llama target on the Python stdlib's sources
+check-tracker --config FILE | --tracker NAME      can this Python import the config's tracker? exit 0, else 2
 
 `python -m eagle3 COMMAND --help` lists every option of a command with its type, default and meaning.
 """
@@ -172,6 +173,33 @@ def cmd_evaluate(argv: list[str]) -> int:
     return evaluate_main(argv)
 
 
+def cmd_check_tracker(argv: list[str]) -> int:
+    """Import the tracker a trainer config names (its `tracker` key; none when absent), in this Python and without
+    torch: the Ansible role asks this in the target's venv before it touches a run. Exit 0 with one line when the
+    package imports, 2 (ConfigError, naming the tracker, this Python and the fix) when it does not."""
+    p = argparse.ArgumentParser(
+        prog="python -m eagle3 check-tracker",
+        description="Can this Python import the experiment tracker of a trainer config (mlflow, wandb)? "
+        "Exit 0 when it can (or the config names none), 2 when it cannot.",
+        formatter_class=HelpFormatter,
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--config", metavar="FILE", help="the trainer config (its tracker key); /dev/stdin reads it "
+                       "from standard input")  # fmt: skip
+    which.add_argument("--tracker", metavar="NAME", help="the tracker itself: none, mlflow or wandb")
+    args = p.parse_args(argv)
+    from eagle3.config import check_key, coerce_value, load_config_file
+    from eagle3.trackers import check_importable
+
+    tracker = args.tracker
+    if args.config is not None:
+        tracker = load_config_file(args.config).get("tracker", "none")
+    tracker = coerce_value("tracker", tracker)
+    check_key("tracker", tracker)
+    print(check_importable(tracker), flush=True)
+    return EXIT_OK
+
+
 def cmd_tiny_target(argv: list[str]) -> int:
     from eagle3.tiny_target import main as tiny_main
 
@@ -196,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "synth": cmd_synth, "plan": cmd_plan, "export": cmd_export, "import": cmd_import, "report": cmd_report,
         "generate": cmd_generate, "evaluate": cmd_evaluate, "tiny-target": cmd_tiny_target,
+        "check-tracker": cmd_check_tracker,
     }  # fmt: skip
     if command not in commands:
         print(

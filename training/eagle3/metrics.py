@@ -307,6 +307,7 @@ class RunFiles:
             "acceptance_length": None,  # the last validation's simulated acceptance length (eagle3.acceptance)
             "acceptance_length_step": None,  # the step of that validation
             "error": None,
+            "tracker": None,  # eagle3.observe.Observer.tracker_state: {name, ok, error, at}; null with tracker: none
             "pid": os.getpid(),
             "updated": time.time(),
         }
@@ -314,6 +315,8 @@ class RunFiles:
     def update_status(self, **fields) -> None:
         self.status.update(fields)
         self.status["updated"] = time.time()
+        if self.observer is not None:  # whether the experiment tracker works (set once it fails, and kept)
+            self.status["tracker"] = self.observer.tracker_state
         if self.enabled:
             atomic_write_json(self.run_dir / "status.json", self.status)
             if self.observer is not None:  # eagle3.observe: the Prometheus textfile follows status.json

@@ -343,13 +343,17 @@ class Observer:
         self.tb = None  # the SummaryWriter, once training starts
         self.tb_writer = None  # its class until then
         self.tracker = None  # eagle3.trackers: MLflow or W&B, when the config names one
+        # status.json's `tracker` (RunFiles reads it at each write): {name, ok, error, at}; None with tracker: none.
+        self.tracker_state: dict | None = None
         self.sampler: GpuSampler | None = None
         self._lock = threading.Lock()
         self.device_type = device_type
 
     def start(self, step: Callable[[], int]) -> Observer:
         self.tb_writer = self._tensorboard()
-        self._guard("tracker", self._open_tracker)
+        if self.cfg.tracker != "none":
+            self.tracker_state = {"name": self.cfg.tracker, "ok": True, "error": None, "at": None}
+            self._guard("tracker", self._open_tracker, at="start")
         if self.cfg.telemetry_every_s > 0:
             reader, note = nvml_reader() if self.device_type == "cuda" else (None, "no GPU")
             self.sampler = GpuSampler(
@@ -397,14 +401,23 @@ class Observer:
 
         self.tracker = open_tracker(self.cfg, self.run_dir, self.log)
 
-    def _guard(self, sink: str, fn: Callable[[], object]) -> None:
-        """Run one sink's write; the first failure is logged, later ones of the same sink are silent."""
+    def _guard(self, sink: str, fn: Callable[[], object], at: str = "log") -> None:
+        """Run one sink's write; the first failure is logged, later ones of the same sink are silent. A tracker's
+        first failure (at start, at a log call, at its finish) is also kept for status.json (`tracker_state`)."""
         try:
             fn()
         except Exception as e:
-            if sink not in self.broken:
-                self.broken.add(sink)
-                self.log(f"warning: {sink} not written ({type(e).__name__}: {e}); training goes on")
+            if sink in self.broken:
+                return
+            self.broken.add(sink)
+            detail = f"{type(e).__name__}: {e}"
+            if sink == "tracker":
+                # A new dict, never changed after: the GPU sampler's thread may fail it while RunFiles reads it.
+                self.tracker_state = {"name": self.cfg.tracker, "ok": False, "error": detail[:500], "at": at}
+                self.log(f"warning: tracker {self.cfg.tracker} failed at {at} ({detail}); training goes on without "
+                         "it (status.json tracker.ok is false)")  # fmt: skip
+            else:
+                self.log(f"warning: {sink} not written ({detail}); training goes on")
 
     def on_status(self, status: dict) -> None:
         self.status = dict(status)
@@ -455,7 +468,7 @@ class Observer:
             with contextlib.suppress(Exception):
                 self.tb.close()
         if self.tracker is not None:
-            self._guard("tracker", lambda: self.tracker.finish(self.status.get("phase", "")))
+            self._guard("tracker", lambda: self.tracker.finish(self.status.get("phase", "")), at="finish")
 
 
 def now_ms() -> int:

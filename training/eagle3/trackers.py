@@ -8,7 +8,14 @@ once and training goes on, like every other sink.
 
 The tracker run's id is kept in run_dir/tracker.json: a resumed start continues the same tracker run (the
 config of each start is attached to it as an artifact), and `eagle3 export` attaches the export it writes.
-A missing package is a config error at start, on every rank, before any GPU memory is taken.
+A missing package is a config error at start, on every rank, before any GPU memory is taken. `python -m eagle3
+check-tracker --config FILE` imports the package (check_importable) without torch, so that the Ansible role can ask
+before it touches a run: exit 2 naming the tracker, the venv's Python and the fix, 0 when it imports.
+
+A tracker that fails once training runs (its package breaks on import, or its init, a log call or its finish
+raises) never stops training: rank 0 logs it once and status.json's `tracker` says so from then on:
+{"name": "wandb", "ok": false, "error": "ImportError: ...", "at": "start" | "log" | "finish"} (ok true, error and
+at null, while it works; null with `tracker: none`).
 """
 
 from __future__ import annotations
@@ -54,6 +61,36 @@ def check_available(tracker: str) -> None:
             f"tracker={tracker!r} but the {module} package is not installed in {sys.executable}; {how}, "
             "or set tracker: none"
         )
+
+
+def check_importable(tracker: str) -> str:
+    """Import `tracker`'s package in this Python, as the trainer will (`eagle3 check-tracker`, for the Ansible role
+    before it touches a run): a one-line description when it works, else ConfigError naming the tracker, this
+    Python and the fix. Any exception at import counts (a broken install raises more than ImportError).
+
+    >>> check_importable("none")
+    'tracker: none (nothing to import)'
+    >>> check_importable("nosuch")
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: tracker='nosuch' is not one of none, mlflow, wandb
+    """
+    check_available(tracker)  # the tracker's name, and a package that is not there at all
+    if tracker == "none":
+        return "tracker: none (nothing to import)"
+    module, how = PACKAGES[tracker]
+    try:
+        imported = importlib.import_module(module)
+    except BaseException as e:  # SystemExit or any error in the package's own import code; never Ctrl-C
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}".rstrip(": ")
+        raise ConfigError(
+            f"tracker={tracker!r} cannot be used: import {module} fails in {sys.executable} ({detail}); {how} "
+            f"({sys.prefix}), or set tracker: none"
+        ) from None
+    version = getattr(imported, "__version__", "version unknown")
+    return f"tracker: {tracker} ({module} {version}) imports in {sys.executable}"
 
 
 def flat_params(config: dict) -> dict[str, str]:

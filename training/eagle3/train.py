@@ -179,7 +179,12 @@ class Run:
             if self.watchdog is not None:
                 self.watchdog.stop()
             if self.observer is not None:
+                before = self.observer.tracker_state
                 self.observer.close()
+                # the tracker failed at its finish (after the last status.json write): status.json says so
+                if self.observer.tracker_state is not before:
+                    with contextlib.suppress(Exception):
+                        self.files.update_status()
             if self.info is not None:
                 with contextlib.suppress(Exception):
                     dist_utils.shutdown(self.info)
