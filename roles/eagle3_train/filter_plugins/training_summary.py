@@ -295,9 +295,7 @@ def training_summary(
         mine = [n for n in nodes if n.get("host") == r.get("hostname")]
         for n in mine or nodes:
             lines.append(_node_line(n, nodes))
-    accept = _acceptance(s)
-    if accept:
-        lines.append(accept)
+    lines.extend(line for line in (_acceptance(s), _tracker(s)) if line)
     if run_dir:
         lines.extend(tensorboard_lines(r.get("tensorboard"), run_dir, venv, in_target))
     for h in r.get("foreign_holders") or []:
@@ -316,6 +314,23 @@ def training_summary(
             line += " - STARVED: busy but far below its power limit (waiting on all-reduce or data: compare fetch and bwd)"
         lines.append(line)
     return lines
+
+
+def _tracker(s: dict) -> str:
+    """The experiment tracker's failure, when it failed (training goes on without it), else ''.
+
+    >>> _tracker({"tracker": {"name": "wandb", "ok": False, "error": "ImportError: no module x", "at": "start"}})
+    'tracker wandb FAILED at start (ImportError: no module x): training goes on without it; see the journal'
+    >>> _tracker({"tracker": {"name": "wandb", "ok": True}}), _tracker({})
+    ('', '')
+    """
+    tracker = s.get("tracker") or {}
+    if not tracker or tracker.get("ok", True):
+        return ""
+    return (
+        f"tracker {tracker.get('name', '?')} FAILED at {tracker.get('at') or '?'} ({tracker.get('error') or '?'}): "
+        "training goes on without it; see the journal"
+    )
 
 
 def stopped_summary(last: dict | None, vmid, pct_status: str = "", now=None) -> list[str]:
