@@ -1,6 +1,7 @@
 """An output folder that refuses writes, outside training: `eagle3 generate` classifies it as training classifies
 its checkpoint folder (eagle3.errors.STORAGE_KINDS, StorageError, EXIT_STORAGE) and ends with one line naming the
-folder, the errno and the error kind, which library/datagen_job.py reads back from the journal."""
+folder, the errno and the error kind, which library/datagen_job.py reads back from the journal. How such a write
+fails through safetensors: docs/facts.md#files-and-storage."""
 
 from __future__ import annotations
 
