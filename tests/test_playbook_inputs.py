@@ -94,7 +94,7 @@ BAD_TRAIN_INPUTS = [
     ),
     (
         "eagle3_train_prefix=opt/eagle3",
-        "eagle3_train_prefix=opt/eagle3 is not an absolute path; allowed: an absolute path",
+        "eagle3_train_prefix=opt/eagle3 is not an absolute path; allowed: a folder of its own on the target",
     ),
     ("eagle3_train_config_dir=etc", "eagle3_train_config_dir=etc is not an absolute path"),
     ("eagle3_train_run_dir=run", "eagle3_train_run_dir=run is not an absolute path"),
