@@ -170,7 +170,15 @@ def status_path(run_dir: str) -> str:
 
 
 # The status.json fields a metrics.jsonl train record carries too (the trainer writes both from the same record).
-STAND_IN_FIELDS = ("step", "epoch", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "peak_mem_gb", "eta_s")
+STAND_IN_FIELDS = (
+    "step",
+    "epoch",
+    "tokens_per_s",
+    "tokens_per_s_per_rank",
+    "step_time_s",
+    "peak_mem_gb",
+    "eta_s",
+)
 
 
 def metrics_stand_in(run_dir: str, started_at: float, tail_bytes: int = 65536) -> dict | None:
