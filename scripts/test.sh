@@ -42,8 +42,8 @@ digest() {  # digest NAME: why a failed stage failed, printed again near the end
 pytest_run() {  # pytest_run NAME PYTHON DIR ARGS...: runs one tier into $REPORTS/NAME.{log,xml,rc,secs}
     local name=$1 py=$2 dir=$3; shift 3
     local t0=$SECONDS
-    # --durations: the slowest tests are named at the end of every run, so a slow test is seen before it is costly.
-    (cd "$dir" && "$py" -m pytest -q -p no:cacheprovider --durations=10 --junitxml="$REPORTS/$name.xml" "$@") \
+    # --durations: the slowest 50 tests are named at the end of every run, so a slow test is seen before it is costly.
+    (cd "$dir" && "$py" -m pytest -q -p no:cacheprovider --durations=50 --junitxml="$REPORTS/$name.xml" "$@") \
         > "$REPORTS/$name.log" 2>&1
     echo $? > "$REPORTS/$name.rc"
     echo $((SECONDS - t0)) > "$REPORTS/$name.secs"
