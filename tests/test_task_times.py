@@ -51,7 +51,7 @@ def test_the_slowest_tasks_and_each_case_s_time_are_printed_at_the_end(tmp_path)
     assert [line.split(" s  ", 1)[1] for line in cases] == ["(b) the slow case", "(a) the quick case"]
     slow, quick = (float(line.split()[0]) for line in cases)
     assert slow >= 2.0 and quick >= 0.0  # a lower bound only: a loaded machine adds to every task
-    assert "Wait in the case  (case.yml)" in report[1]  # the slowest task first, with its file
+    assert "Wait in the case  (case.yml:1)" in report[1]  # the slowest task first, with its file
 
 
 def test_without_the_variable_it_prints_nothing(tmp_path):
