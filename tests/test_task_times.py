@@ -20,7 +20,12 @@ PLAYBOOK = """\
       ansible.builtin.include_tasks: case.yml
       vars: {secs: 0}
     - name: Outside every case
-      ansible.builtin.debug: {msg: done}
+      ansible.builtin.command: "true"
+      changed_when: true
+      notify: A handler
+  handlers:
+    - name: A handler
+      ansible.builtin.debug: {msg: handled}
 """
 CASE = """\
 - name: Wait in the case
@@ -41,6 +46,7 @@ def run(tmp_path: Path, times: str) -> str:
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Callback dispatch" not in proc.stdout + proc.stderr  # every event, handlers too, reaches the callback
     return proc.stdout
 
 

@@ -90,7 +90,7 @@ class CallbackModule(CallbackBase):
             self._cases[case] = self._cases.get(case, 0.0) + secs
         self._current = None
 
-    def v2_playbook_on_task_start(self, task, is_conditional) -> None:
+    def v2_playbook_on_task_start(self, task, is_conditional=False) -> None:
         if not self._limit:
             return
         self._close()
@@ -98,7 +98,8 @@ class CallbackModule(CallbackBase):
         where = where.split("/roles/", 1)[-1] if "/roles/" in where else os.path.basename(where)
         self._current = (f"{task.get_name()}  ({where})", case_of(task), time.monotonic())
 
-    v2_playbook_on_handler_task_start = v2_playbook_on_task_start
+    def v2_playbook_on_handler_task_start(self, task) -> None:  # a handler: Ansible passes no is_conditional
+        self.v2_playbook_on_task_start(task)
 
     def v2_playbook_on_stats(self, stats) -> None:
         if not self._limit:
