@@ -46,7 +46,9 @@ def run(tmp_path: Path, times: str) -> str:
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Callback dispatch" not in proc.stdout + proc.stderr  # every event, handlers too, reaches the callback
+    assert (
+        "Callback dispatch" not in proc.stdout + proc.stderr
+    )  # every event, handlers too, reaches the callback
     return proc.stdout
 
 
