@@ -12,6 +12,9 @@ the acceptance rate per draft position (position i is reached only when 1..i-1 w
 time of speculative and plain greedy decoding on this machine, both with the same target forward (full recompute,
 no KV cache: the ratio isolates what the drafter saves in target forwards, and overstates neither).
 
+`--engine vllm` decodes the same prompts with vLLM instead, with and without the drafter (eagle3/engine_vllm.py):
+its counters give the acceptance, its KV cache the real tokens/s. This decoder stays the reference.
+
 The simulated acceptance length the trainer reports in validation assumes every position of every document can
 start a chain of ttt_steps drafts; real decoding drafts K from the frontier only, chains end at the end of the text,
 and a rejected draft restarts from the target's token: expect tau_real somewhat below the simulated figure.
@@ -249,12 +252,18 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         exact &= out == plain
         total.add(stats)
         plain_seconds += seconds
+    rounds, accepted = total.reached[0], sum(total.accepted)
     result = {
+        "engine": "eagle3",
         "k": k,
         "prompts": len(prompt_ids),
         "tokens": total.tokens,
         "target_forwards": total.target_forwards,
         "tau_real": round(total.tau, 4),
+        # vLLM's figure (1 + accepted / drafts), here for comparison with `--engine vllm`
+        "drafting_rounds": rounds,
+        "accepted_tokens": accepted,
+        "acceptance_length": round(1 + accepted / rounds, 4) if rounds else None,
         "acceptance_per_position": [
             round(a / r, 4) if r else None for a, r in zip(total.accepted, total.reached, strict=True)
         ],
@@ -305,11 +314,28 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--json", default="", help="also write the result here (a run folder appends to evaluate.jsonl)"
     )
+    ap.add_argument(
+        "--engine",
+        choices=("eagle3", "vllm"),
+        default="eagle3",
+        help="eagle3: the project's exact decoder (the reference); vllm: vLLM with and without the drafter, "
+        "tokens/s with its KV cache (eagle3/engine_vllm.py)",
+    )
+    ap.add_argument(
+        "--vllm-args",
+        default="{}",
+        metavar="JSON",
+        help="with --engine vllm: more LLM(...) arguments, e.g. '{\"tensor_parallel_size\": 8}'",
+    )
     args = ap.parse_args(argv)
-    result = evaluate(
-        args.target, args.drafter, args.data, k=args.k, max_new=args.max_new, prompts=args.prompts,
-        checkpoint=args.checkpoint,
-    )  # fmt: skip
+    options = dict(k=args.k, max_new=args.max_new, prompts=args.prompts, checkpoint=args.checkpoint)
+    if args.engine == "vllm":
+        from eagle3.engine_vllm import evaluate_vllm, parse_engine_args
+
+        engine_args = parse_engine_args(args.vllm_args)
+        result = evaluate_vllm(args.target, args.drafter, args.data, engine_args=engine_args, **options)
+    else:
+        result = evaluate(args.target, args.drafter, args.data, **options)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if "step" in result:
