@@ -139,10 +139,13 @@ class VllmEngine:
         ]
 
     def counters(self) -> SpecCounters:
-        """vLLM's speculative-decoding counters now, summed over their label sets (zeros without a drafter)."""
+        """vLLM's speculative-decoding counters now, summed over their label sets; zeros without a drafter (the
+        registry would show another engine's)."""
         from vllm.v1.metrics.reader import Counter, Vector
 
         c = SpecCounters(accepted_per_pos=[0] * self.k)
+        if not self.k:
+            return c
         names = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED: "accepted"}
         for metric in self.llm.get_metrics():
             if isinstance(metric, Counter) and metric.name in names:
@@ -274,7 +277,8 @@ def evaluate_vllm(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 
                   max_prompt: int = 512, checkpoint: str = "best", engine_args: dict | None = None,
                   engines: tuple[VllmEngine, VllmEngine] | None = None, log=print) -> dict:  # fmt: skip
     """Decode the held-out prompts with vLLM with and without the drafter. `engines` (with, without), started
-    by the caller and left running, replace the two this starts and closes one after the other."""
+    by the caller on this drafter's export and left running, replace the two this starts and closes one after
+    the other; `drafter_path` then gives the run's step and simulated figure only."""
     from transformers import AutoTokenizer
 
     from eagle3.evaluate import load_drafter, prompts_from, simulated_tau
@@ -289,21 +293,18 @@ def evaluate_vllm(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 
     if not prompt_ids:
         raise ConfigError(f"evaluate: {data} holds no samples to take prompts from")
     eos = tokenizer.eos_token_id
-    with tempfile.TemporaryDirectory(prefix="eagle3-vllm-export-") as tmp:
-        export_dir = exported(drafter, run_cfg, drafter_path, target_dir, Path(tmp))
-        if engines is None:
+    if engines is not None:
+        spec, plain = engines[0].decode(prompt_ids, max_new, eos), engines[1].decode(prompt_ids, max_new, eos)
+        starts = {"speculative": engines[0].start_seconds, "greedy": engines[1].start_seconds}
+    else:
+        with tempfile.TemporaryDirectory(prefix="eagle3-vllm-export-") as tmp:
+            export_dir = exported(drafter, run_cfg, drafter_path, target_dir, Path(tmp))
             with VllmEngine(target_dir, export_dir, k, engine_args) as spec_engine:
                 spec = spec_engine.decode(prompt_ids, max_new, eos)
                 starts = {"speculative": spec_engine.start_seconds}
             with VllmEngine(target_dir, None, k, engine_args) as plain_engine:
                 plain = plain_engine.decode(prompt_ids, max_new, eos)
                 starts["greedy"] = plain_engine.start_seconds
-        else:
-            spec, plain = (
-                engines[0].decode(prompt_ids, max_new, eos),
-                engines[1].decode(prompt_ids, max_new, eos),
-            )
-            starts = {"speculative": engines[0].start_seconds, "greedy": engines[1].start_seconds}
     result = summarize(k, spec, plain, starts)
     if run_cfg is not None:
         result["step"] = run_cfg.evaluated_step
