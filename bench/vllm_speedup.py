@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "training"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from eagle3.engine_vllm import evaluate_vllm, open_pair, parse_engine_args, vllm_version  # noqa: E402
-from eagle3.evaluate import evaluate, load_drafter  # noqa: E402
+from eagle3.engine_vllm import open_pair, parse_engine_args, vllm_version  # noqa: E402
+from eagle3.evaluate import evaluate, evaluate_vllm, load_drafter  # noqa: E402
 
 
 def tiny_drafter(work: Path):

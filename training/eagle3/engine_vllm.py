@@ -273,26 +273,22 @@ def exported(drafter, run_cfg, drafter_path: Path, target_dir, out_dir: Path) ->
     )
 
 
-def evaluate_vllm(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, prompts: int = 16,
-                  max_prompt: int = 512, checkpoint: str = "best", engine_args: dict | None = None,
-                  engines: tuple[VllmEngine, VllmEngine] | None = None, log=print) -> dict:  # fmt: skip
-    """Decode the held-out prompts with vLLM with and without the drafter. `engines` (with, without), started
-    by the caller on this drafter's export and left running, replace the two this starts and closes one after
-    the other; `drafter_path` then gives the run's step and simulated figure only."""
-    from transformers import AutoTokenizer
-
-    from eagle3.evaluate import load_drafter, prompts_from, simulated_tau
-    from eagle3.generate import read_records
-
-    if k < 1 or max_new < 1 or prompts < 1:
-        raise ConfigError("evaluate: --k, --max-new and --prompts must be at least 1")
-    drafter_path = Path(drafter_path)
-    drafter, run_cfg = load_drafter(drafter_path, checkpoint)  # verified before vLLM reads a byte of it
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    prompt_ids = prompts_from(read_records(Path(data)), tokenizer, prompts, max_prompt)
-    if not prompt_ids:
-        raise ConfigError(f"evaluate: {data} holds no samples to take prompts from")
-    eos = tokenizer.eos_token_id
+def measure(
+    target_dir,
+    drafter,
+    run_cfg,
+    drafter_path: Path,
+    prompt_ids: list[list[int]],
+    eos: int | None,
+    *,
+    k: int,
+    max_new: int,
+    engine_args: dict | None = None,
+    engines: tuple[VllmEngine, VllmEngine] | None = None,
+) -> dict:
+    """The prompts decoded with the drafter and without, summarized (eagle3.evaluate.evaluate_vllm prepares them).
+    `engines` (with, without), started by the caller on this drafter's export and left running, replace the two
+    this starts and closes one after the other."""
     if engines is not None:
         spec, plain = engines[0].decode(prompt_ids, max_new, eos), engines[1].decode(prompt_ids, max_new, eos)
         starts = {"speculative": engines[0].start_seconds, "greedy": engines[1].start_seconds}
@@ -305,19 +301,17 @@ def evaluate_vllm(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 
             with VllmEngine(target_dir, None, k, engine_args) as plain_engine:
                 plain = plain_engine.decode(prompt_ids, max_new, eos)
                 starts["greedy"] = plain_engine.start_seconds
-    result = summarize(k, spec, plain, starts)
-    if run_cfg is not None:
-        result["step"] = run_cfg.evaluated_step
-        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
-    log(
-        f"evaluate (vLLM {vllm_version()}): acceptance length {result['acceptance_length']} (K={k}, "
+    return summarize(k, spec, plain, starts)
+
+
+def log_line(result: dict) -> str:
+    return (
+        f"evaluate (vLLM {vllm_version()}): acceptance length {result['acceptance_length']} (K={result['k']}, "
         f"{result['prompts']} prompts, {result['tokens']} tokens, {result['drafting_rounds']} drafting rounds); "
         f"acceptance per position {result['acceptance_per_position']}; {result['tokens_per_second']} tokens/s "
         f"with the drafter, {result['greedy_tokens_per_second']} without: speedup {result['speedup']:.2f}x on "
-        f"this machine; outputs equal: {result['exact']}",
-        flush=True,
+        f"this machine; outputs equal: {result['exact']}"
     )
-    return result
 
 
 def vllm_version() -> str:

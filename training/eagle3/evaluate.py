@@ -297,6 +297,54 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
     return result
 
 
+def evaluate_vllm(
+    target_dir,
+    drafter_path,
+    data,
+    *,
+    k: int = 3,
+    max_new: int = 64,
+    prompts: int = 16,
+    max_prompt: int = 512,
+    checkpoint: str = "best",
+    engine_args: dict | None = None,
+    engines=None,
+    log=print,
+) -> dict:
+    """`--engine vllm`: the same prompts decoded by vLLM with the drafter and without (eagle3/engine_vllm.py).
+    `engines` (with, without), started by the caller on this drafter's export and left running, replace the two
+    it would start; `drafter_path` then gives the run's step and simulated figure only."""
+    from transformers import AutoTokenizer
+
+    from eagle3.engine_vllm import log_line, measure
+    from eagle3.generate import read_records
+
+    if k < 1 or max_new < 1 or prompts < 1:
+        raise ConfigError("evaluate: --k, --max-new and --prompts must be at least 1")
+    drafter, run_cfg = load_drafter(drafter_path, checkpoint)  # verified before vLLM reads a byte of it
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    prompt_ids = prompts_from(read_records(Path(data)), tokenizer, prompts, max_prompt)
+    if not prompt_ids:
+        raise ConfigError(f"evaluate: {data} holds no samples to take prompts from")
+    result = measure(
+        target_dir,
+        drafter,
+        run_cfg,
+        Path(drafter_path),
+        prompt_ids,
+        tokenizer.eos_token_id,
+        k=k,
+        max_new=max_new,
+        engine_args=engine_args,
+        engines=engines,
+    )
+    if run_cfg is not None:
+        result["step"] = run_cfg.evaluated_step
+        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
+    log(log_line(result), flush=True)
+    return result
+
+
 def main(argv: list[str]) -> int:
     from eagle3.helptext import HelpFormatter
 
@@ -330,7 +378,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     options = dict(k=args.k, max_new=args.max_new, prompts=args.prompts, checkpoint=args.checkpoint)
     if args.engine == "vllm":
-        from eagle3.engine_vllm import evaluate_vllm, parse_engine_args
+        from eagle3.engine_vllm import parse_engine_args
 
         engine_args = parse_engine_args(args.vllm_args)
         result = evaluate_vllm(args.target, args.drafter, args.data, engine_args=engine_args, **options)

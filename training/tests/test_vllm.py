@@ -9,8 +9,8 @@ a 2-core machine. Each engine's processes are reaped by PID when the module ends
 import json
 
 import pytest
-from eagle3.engine_vllm import evaluate_vllm, open_pair
-from eagle3.evaluate import TargetRunner, evaluate, greedy, prompts_from
+from eagle3.engine_vllm import open_pair
+from eagle3.evaluate import TargetRunner, evaluate, evaluate_vllm, greedy, prompts_from
 from eagle3.generate import read_records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
