@@ -71,7 +71,7 @@ def parse_engine_args(text: str) -> dict:
     >>> parse_engine_args("tensor_parallel_size=8")
     Traceback (most recent call last):
     ...
-    eagle3.errors.ConfigError: evaluate: --vllm-args 'tensor_parallel_size=8' is not a JSON object of LLM(...) arguments; e.g. '{"tensor_parallel_size": 8, "dtype": "bfloat16"}'
+    eagle3.errors.ConfigError: --vllm-args 'tensor_parallel_size=8' is not a JSON object of LLM(...) arguments; e.g. '{"tensor_parallel_size": 8, "dtype": "bfloat16"}'
     """
     try:
         value = json.loads(text)
@@ -79,7 +79,7 @@ def parse_engine_args(text: str) -> dict:
         value = None
     if not isinstance(value, dict):
         raise ConfigError(
-            f"evaluate: --vllm-args {text!r} is not a JSON object of LLM(...) arguments; "
+            f"--vllm-args {text!r} is not a JSON object of LLM(...) arguments; "
             """e.g. '{"tensor_parallel_size": 8, "dtype": "bfloat16"}'"""
         )
     return value

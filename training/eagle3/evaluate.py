@@ -325,7 +325,7 @@ def evaluate_vllm(
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     prompt_ids = prompts_from(read_records(Path(data)), tokenizer, prompts, max_prompt)
     if not prompt_ids:
-        raise ConfigError(f"evaluate: {data} holds no samples to take prompts from")
+        raise ConfigError(f"{data} holds no samples to take prompts from")
     result = measure(
         target_dir,
         drafter,
