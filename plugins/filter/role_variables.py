@@ -30,6 +30,7 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "eagle3_train_synth_args": {"kind": "list", "of": "argv_item"},
         "eagle3_train_venv": {"kind": "owned_dir"},
         "eagle3_train_venv_provided": {"kind": "bool"},
+        "eagle3_train_vllm": {"kind": "bool"},
         "eagle3_train_python": {"kind": "command"},
         "eagle3_train_nproc": {"kind": "nproc"},
         "eagle3_train_cpu_workers": {"kind": "int", "min": 1},

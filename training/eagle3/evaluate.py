@@ -12,6 +12,9 @@ the acceptance rate per draft position (position i is reached only when 1..i-1 w
 time of speculative and plain greedy decoding on this machine, both with the same target forward (full recompute,
 no KV cache: the ratio isolates what the drafter saves in target forwards, and overstates neither).
 
+`--engine vllm` decodes the same prompts with vLLM instead, with and without the drafter (eagle3/engine_vllm.py):
+its counters give the acceptance, its KV cache the real tokens/s. This decoder stays the reference.
+
 The simulated acceptance length the trainer reports in validation assumes every position of every document can
 start a chain of ttt_steps drafts; real decoding drafts K from the frontier only, chains end at the end of the text,
 and a rejected draft restarts from the target's token: expect tau_real somewhat below the simulated figure.
@@ -249,12 +252,18 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         exact &= out == plain
         total.add(stats)
         plain_seconds += seconds
+    rounds, accepted = total.reached[0], sum(total.accepted)
     result = {
+        "engine": "eagle3",
         "k": k,
         "prompts": len(prompt_ids),
         "tokens": total.tokens,
         "target_forwards": total.target_forwards,
         "tau_real": round(total.tau, 4),
+        # vLLM's figure (1 + accepted / drafts), here for comparison with `--engine vllm`
+        "drafting_rounds": rounds,
+        "accepted_tokens": accepted,
+        "acceptance_length": round(1 + accepted / rounds, 4) if rounds else None,
         "acceptance_per_position": [
             round(a / r, 4) if r else None for a, r in zip(total.accepted, total.reached, strict=True)
         ],
@@ -288,6 +297,54 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
     return result
 
 
+def evaluate_vllm(
+    target_dir,
+    drafter_path,
+    data,
+    *,
+    k: int = 3,
+    max_new: int = 64,
+    prompts: int = 16,
+    max_prompt: int = 512,
+    checkpoint: str = "best",
+    engine_args: dict | None = None,
+    engines=None,
+    log=print,
+) -> dict:
+    """`--engine vllm`: the same prompts decoded by vLLM with the drafter and without (eagle3/engine_vllm.py).
+    `engines` (with, without), started by the caller on this drafter's export and left running, replace the two
+    it would start; `drafter_path` then gives the run's step and simulated figure only."""
+    from transformers import AutoTokenizer
+
+    from eagle3.engine_vllm import log_line, measure
+    from eagle3.generate import read_records
+
+    if k < 1 or max_new < 1 or prompts < 1:
+        raise ConfigError("evaluate: --k, --max-new and --prompts must be at least 1")
+    drafter, run_cfg = load_drafter(drafter_path, checkpoint)  # verified before vLLM reads a byte of it
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    prompt_ids = prompts_from(read_records(Path(data)), tokenizer, prompts, max_prompt)
+    if not prompt_ids:
+        raise ConfigError(f"{data} holds no samples to take prompts from")
+    result = measure(
+        target_dir,
+        drafter,
+        run_cfg,
+        Path(drafter_path),
+        prompt_ids,
+        tokenizer.eos_token_id,
+        k=k,
+        max_new=max_new,
+        engine_args=engine_args,
+        engines=engines,
+    )
+    if run_cfg is not None:
+        result["step"] = run_cfg.evaluated_step
+        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
+    log(log_line(result), flush=True)
+    return result
+
+
 def main(argv: list[str]) -> int:
     from eagle3.helptext import HelpFormatter
 
@@ -305,11 +362,28 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--json", default="", help="also write the result here (a run folder appends to evaluate.jsonl)"
     )
+    ap.add_argument(
+        "--engine",
+        choices=("eagle3", "vllm"),
+        default="eagle3",
+        help="eagle3: the project's exact decoder (the reference); vllm: vLLM with and without the drafter, "
+        "tokens/s with its KV cache (eagle3/engine_vllm.py)",
+    )
+    ap.add_argument(
+        "--vllm-args",
+        default="{}",
+        metavar="JSON",
+        help="with --engine vllm: more LLM(...) arguments, e.g. '{\"tensor_parallel_size\": 8}'",
+    )
     args = ap.parse_args(argv)
-    result = evaluate(
-        args.target, args.drafter, args.data, k=args.k, max_new=args.max_new, prompts=args.prompts,
-        checkpoint=args.checkpoint,
-    )  # fmt: skip
+    options = dict(k=args.k, max_new=args.max_new, prompts=args.prompts, checkpoint=args.checkpoint)
+    if args.engine == "vllm":
+        from eagle3.engine_vllm import parse_engine_args
+
+        engine_args = parse_engine_args(args.vllm_args)
+        result = evaluate_vllm(args.target, args.drafter, args.data, engine_args=engine_args, **options)
+    else:
+        result = evaluate(args.target, args.drafter, args.data, **options)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if "step" in result:

@@ -115,6 +115,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     run.evaluated = [
         r for r in read_jsonl(run_dir / "evaluate.jsonl", run.skipped)
         if isinstance(r.get("step"), int) and isinstance(r.get("tau_real"), int | float)
+        and r.get("engine", "eagle3") == "eagle3"  # the project's decoder; vLLM's agrees (docs/serving.md)
     ]  # fmt: skip
     try:
         run.status = json.loads((run_dir / "status.json").read_text())

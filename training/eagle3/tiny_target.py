@@ -48,8 +48,10 @@ class TinyTargetConfig:
     vocab_size: int = 1024
     hidden_size: int = 64
     num_layers: int = 8  # EAGLE-3's default aux layers (2, n/2, n-3) are distinct from 8 layers on
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    # head_dim 64 / 2 = 32: the smallest vLLM's CPU attention takes (CPUAttentionBackend.get_supported_head_sizes in
+    # vllm/v1/attention/backends/cpu_attn.py), so vLLM serves it and drafters trained on it; still GQA (2 heads, 1 KV)
+    num_heads: int = 2
+    num_kv_heads: int = 1
     intermediate_size: int = 176
     seq_len: int = 128
     batch: int = 32

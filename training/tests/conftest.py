@@ -102,3 +102,12 @@ def make_row():
 def make_model():
     """Factory: make_model(cfg=None, seed=0, dtype=float32) -> Eagle3Drafter with random target weights loaded."""
     return _model
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tmp_path_factory):
+    """A drafter trained briefly on the tiny target, and its export: built once per session, shared by
+    test_evaluate (the project's decoder) and test_vllm (vLLM serving the export). Tests only read it."""
+    from pipeline_support import train_tiny_drafter
+
+    return train_tiny_drafter(tmp_path_factory.mktemp("tiny-drafter"))

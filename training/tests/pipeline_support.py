@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -140,3 +142,50 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def chats(path: Path, files: list[Path]) -> Path:
+    """Conversations from Python sources: the user gives eight lines of a file, the assistant continues it."""
+    with path.open("w") as f:
+        for p in files:
+            lines = p.read_text(errors="replace").splitlines()
+            for start in range(0, min(len(lines), 90), 30):
+                head, tail = "\n".join(lines[start : start + 8]), "\n".join(lines[start + 8 : start + 24])
+                if head.strip() and tail.strip():
+                    turns = [{"role": "user", "content": head}, {"role": "assistant", "content": tail}]
+                    f.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class TinyDrafter:
+    target: Path  # the tiny target (eagle3.tiny_target, cached)
+    run_dir: Path  # 100 steps of `eagle3 train` on data generated from it
+    export_dir: Path  # its best checkpoint, `eagle3 export`ed
+    held: Path  # held-out conversations (prompts)
+
+
+def train_tiny_drafter(base: Path) -> TinyDrafter:
+    """Generate data from the tiny target, train a drafter on it for 100 steps and export it (about 20 s idle).
+    Its attention has the target's shape (2 query heads, 1 key/value head of 32), which vLLM's CPU build serves;
+    the trainer's default for hidden 64 would be heads of 16."""
+    from eagle3.cli import main as eagle3_main
+    from eagle3.generate import generate
+    from eagle3.tiny_target import cached
+
+    target = cached(log=lambda *a, **k: None)
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    train = chats(base / "train.jsonl", stdlib[9::10][:16])
+    held = chats(base / "held.jsonl", stdlib[4::10][:2])
+    generate(
+        target, train, base / "data", max_len=512, draft_vocab=512, shard_samples=16, log=lambda *a, **k: None
+    )
+    options = (
+        "--max_seq_len 1024 --max_steps 100 --warmup_steps 10 --lr 3e-3 --ttt_steps 3 --checkpoint_every 100 "
+        "--device cpu --dtype fp32 --num_threads 2 --num_heads 2 --num_kv_heads 1 --head_dim 32"
+    )
+    args = ["train", "--data_dir", str(base / "data"), "--run_dir", str(base / "run"), *options.split()]
+    rc = run_trainer(args, base / "train.log", timeout=600)
+    assert rc == 0, (base / "train.log").read_text()[-2000:]
+    assert eagle3_main(["export", str(base / "run"), str(base / "export")]) == 0
+    return TinyDrafter(target, base / "run", base / "export", held)
