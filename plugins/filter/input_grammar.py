@@ -17,6 +17,7 @@ checks a role's variables with both. Filters here: ``systemd_arg``, ``systemd_pa
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import posixpath
@@ -310,6 +311,40 @@ def _command():
     return check
 
 
+_HOSTNAME = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+
+
+def bind_address_problem(value) -> str | None:
+    """Why `value` is not an address a server can listen on (an IP address, or a host name that does not look like
+    a malformed address), or None.
+
+    >>> bind_address_problem("127.0.0.1"), bind_address_problem("::1"), bind_address_problem("ct129.lan")
+    (None, None, None)
+    >>> bind_address_problem("127.0.0.256"), bind_address_problem("http://x"), bind_address_problem("")
+    ('is not an IP address', 'has the wrong form', 'has the wrong form')
+    """
+    if not isinstance(value, str) or not value:
+        return "has the wrong form"
+    try:
+        ipaddress.ip_address(value)
+        return None
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*", value):
+        return "is not an IP address"
+    return None if len(value) <= 253 and _HOSTNAME.fullmatch(value) else "has the wrong form"
+
+
+def _bind_address():
+    def check(value, spec) -> str | None:
+        return bind_address_problem(value)
+
+    check.allowed = "an IP address (127.0.0.1, ::1, 0.0.0.0 for every interface) or a host name of the CT"
+    return check
+
+
 def _regex():
     def check(value, spec) -> str | None:
         if not isinstance(value, str) or not value or _CONTROL.search(value) or len(value) > 1000:
@@ -346,6 +381,11 @@ KINDS = {
     "host": _kind(
         r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*",
         "a host name or an IP address",
+    ),
+    "bind_address": _bind_address(),
+    "model_name": _kind(
+        r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]*",
+        "a model name of letters, digits and _ . : / @ + -, e.g. kimi-k2.5-eagle3",
     ),
     "inventory_host": _kind(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", "an inventory host name"),
     "ifname": _kind(
