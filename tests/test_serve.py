@@ -263,6 +263,7 @@ RENDER = """\
         eagle3_serve_enforce_eager: true
         eagle3_serve_max_model_len: 32768
         eagle3_serve_args: [--tensor-parallel-size, 8, --gpu-memory-utilization, "0.92"]
+        eagle3_serve_env: {CUDA_VISIBLE_DEVICES: "0,1,2,3,4,5,6,7"}
 """
 
 
@@ -315,11 +316,16 @@ def test_the_unit_serves_the_target_with_the_exported_drafter_on_loopback(render
 
 
 def test_the_unit_takes_the_inventorys_address_a_given_export_and_more_vllm_arguments(rendered):
-    argv, opts = exec_start((rendered / "gpu" / "eagle3-serve.service").read_text())
+    unit = (rendered / "gpu" / "eagle3-serve.service").read_text()
+    argv, opts = exec_start(unit)
     assert json.loads(opts["--speculative-config"])["model"] == "/srv/drafters/kimi-eagle3"
     assert (opts["--host"], opts["--port"]) == ("10.0.0.5", "8443")
     assert (opts["--served-model-name"], opts["--max-model-len"]) == ("kimi-k2.5", "32768")
     assert "--enforce-eager" in argv
+    env = shlex.split(
+        next(x for x in unit.splitlines() if x.startswith("Environment=")).removeprefix("Environment=")
+    )
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in env and "EAGLE3_JOB=eagle3-train" in env
     assert argv[-4:] == ["--tensor-parallel-size", "8", "--gpu-memory-utilization", "0.92"]
 
 
@@ -343,6 +349,7 @@ BAD_SERVE_INPUTS = {
     "eagle3_serve_served_model_name": ("my model", "eagle3_serve_served_model_name=my model has the wrong form"),
     "eagle3_serve_num_speculative_tokens": ("0", "eagle3_serve_num_speculative_tokens=0 is out of range"),
     "eagle3_serve_enforce_eager": ("maybe", "eagle3_serve_enforce_eager=maybe is not a boolean"),
+    "eagle3_serve_env": ({"EAGLE3_JOB": "decoy"}, "eagle3_serve_env has the key EAGLE3_JOB, which is set by the role"),
     "eagle3_serve_prot": ("8000", "eagle3_serve_prot=8000 is not a variable of the eagle3_serve role; did you mean "
                           "eagle3_serve_port?"),
 }  # fmt: skip

@@ -287,6 +287,18 @@ def _worker_env_name():
     return check
 
 
+def _job_env_name():
+    def check(value, spec) -> str | None:
+        if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            return "has the wrong form"
+        if value.startswith("EAGLE3_"):
+            return f"is set by the role ({WORKER_ENV_RESERVED_PREFIXES['EAGLE3_']})"
+        return None
+
+    check.allowed = "an environment variable name (letters, digits, _) outside the project's own EAGLE3_*"
+    return check
+
+
 def _flag():
     def check(value, spec) -> str | None:
         return None if as_bool(value) is not None else "is not a boolean"
@@ -373,6 +385,11 @@ KINDS = {
         r"[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.:/@+-]+", "NAME=VALUE, e.g. EAGLE3_JOB=eagle3-train"
     ),
     "worker_env_name": _worker_env_name(),
+    "job_env_name": _job_env_name(),
+    "env_value": _kind(
+        r"[A-Za-z0-9_.,:/@+=-]+",
+        "a value of letters, digits and _ . , : / @ + = - (what device lists, sizes and names need), e.g. 0,1,2,3",
+    ),
     "env_name": _kind(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name (letters, digits, _)"),
     "proc_glob": _kind(
         r"[A-Za-z0-9_.:@+*?\[\]-]+", "a process name or glob, e.g. nvidia-persistenced or dcgm*", 64

@@ -135,6 +135,7 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "eagle3_serve_enforce_eager": {"kind": "bool"},
         "eagle3_serve_max_model_len": {"kind": "int", "min": 0},
         "eagle3_serve_args": {"kind": "list", "of": "argv_item", "empty": True, "forbid": SERVE_ROLE_ARGS},
+        "eagle3_serve_env": {"kind": "dict", "keys": "job_env_name", "values": "env_value"},
         "eagle3_serve_prefix": {"kind": "owned_dir"},
         "eagle3_serve_venv": {"kind": "owned_dir"},
         "eagle3_serve_timeout": {"kind": "int", "min": 1},
