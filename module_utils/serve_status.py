@@ -5,7 +5,7 @@ the drafter's acceptance read from its Prometheus counters.
       GET  /v1/models       the served model's id (the name a request must give)
       POST /v1/completions  healthy = it answers one with generated tokens
       GET  /metrics         vllm:spec_decode_num_drafts, ..._num_accepted_tokens, ..._num_accepted_tokens_per_pos
-                            -> acceptance length tau = 1 + accepted / drafts (docs/facts.md#7-the-field-at-the-end-of-2026-what-users-compare-us-with)
+                            -> acceptance length tau = 1 + accepted / drafts (docs/facts.md#serving-with-vllm)
 
 Pure functions first (parse_prometheus, acceptance, export_problem, describe), then the HTTP calls (ask_completion,
 read_metrics), which library/serve_job.py puts together.

@@ -319,7 +319,8 @@ def stray_variables(names: list, extra_known: list | None = None) -> list[str]:
     ['checkpoint_every is not a variable of these playbooks: a trainer setting goes in
       eagle3_train_config_overrides, e.g. -e \\'{"eagle3_train_config_overrides": {"checkpoint_every": ...}}\\'',
      'eagle_train_run_dir is not a variable of these playbooks; did you mean eagle3_train_run_dir?',
-     'run_dir is not a variable of these playbooks; did you mean eagle3_train_run_dir or eagle3_evaluate_run_dir?']
+     'run_dir is not a variable of these playbooks; did you mean eagle3_train_run_dir or eagle3_evaluate_run_dir or
+      eagle3_serve_run_dir?']
     """
     known = (
         {n for table in ROLE_VARIABLES.values() for n in table} | set(PLAYBOOK_NAMES) | set(extra_known or ())
