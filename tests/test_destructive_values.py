@@ -33,6 +33,8 @@ TABLE = {
     "eagle3_train_venv": ["/usr", "/usr/share/python"],
     "eagle3_datagen_out": ["/var/lib", "/etc/eagle3/../ssl"],
     "eagle3_evaluate_prefix": ["/opt"],
+    "eagle3_serve_export_dir": ["/var/lib", "/etc"],
+    "eagle3_serve_venv": ["/usr"],
     "local_ct_lxcpath": ["/var/lib/lxc"],
     "eagle3_train_env": [{"EAGLE3_JOB": "decoy"}, {"EAGLE3_STATUS_FILE": "/x"}, {"PYTHONPATH": "/tmp"},
                          {"RANK": "0"}, {"TORCHELASTIC_RUN_ID": "x"}, {"GLOO_SOCKET_IFNAME": "eth0"}],
@@ -191,7 +193,8 @@ def test_a_unit_is_the_project_s_only_when_its_file_says_so(systemctl_showing, t
 
 def test_the_unit_templates_carry_the_mark():
     for template in ("roles/eagle3_train/templates/eagle3-train.service.j2",
-                     "roles/eagle3_datagen/templates/eagle3-datagen.service.j2"):  # fmt: skip
+                     "roles/eagle3_datagen/templates/eagle3-datagen.service.j2",
+                     "roles/eagle3_serve/templates/eagle3-serve.service.j2"):  # fmt: skip
         head = (ri.ROOT / template).read_text().splitlines()[:5]
         assert any(line.startswith(owned.UNIT_MARK) for line in head), template
 

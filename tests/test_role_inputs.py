@@ -1,5 +1,6 @@
-"""Hostile input to every string variable of train.yml, cleanup.yml, status.yml and provision.yml is refused before
-anything changes, or lands inert (an argv entry, a module parameter, a quoted value), never in a shell.
+"""Hostile input to every string variable of train.yml, cleanup.yml, status.yml, provision.yml and the pipeline's
+playbooks (datagen.yml, evaluate.yml, serve.yml) is refused before anything changes, or lands inert (an argv entry,
+a module parameter, a quoted value), never in a shell.
 
 The grammar is plugins/filter/role_inputs.py (through the inputs role); the tables there are held to every role's
 meta/argument_specs.yml, so a new string variable without a grammar fails here. Then: each hostile string against
@@ -35,9 +36,9 @@ spec = importlib.util.spec_from_file_location(
 grammar = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(grammar)
 
-# The roles of the six playbooks (status.yml's own variables are the "status" table).
+# The roles of the playbooks (status.yml's own variables are the "status" table).
 ROLES = ["eagle3_train", "gpu_cleanup", "run_lock", "ct_running", "local_ct", "pve_gpu_host", "pve_gpu_container",
-         "gpu_userspace", "eagle3_datagen", "eagle3_evaluate"]  # fmt: skip
+         "gpu_userspace", "eagle3_datagen", "eagle3_evaluate", "eagle3_serve"]  # fmt: skip
 
 HOSTILE = [
     "/tmp; rm -rf /",  # a command after the path
@@ -239,6 +240,7 @@ def run(playbook: str, inventory: Path, extra: dict, *flags: str) -> subprocess.
         ("cleanup.yml", ["gpu_cleanup", "run_lock"], ()),
         ("datagen.yml", ["eagle3_datagen", "run_lock", "gpu_cleanup"], ()),
         ("evaluate.yml", ["eagle3_evaluate", "run_lock"], ()),
+        ("serve.yml", ["eagle3_serve", "run_lock", "gpu_cleanup"], ()),
         ("status.yml", ["status", "gpu_cleanup", "eagle3_train"], ()),
         ("provision.yml", ["local_ct"], ()),
         ("provision.yml", ["pve_gpu_host"], ("--tags", "pve_host")),

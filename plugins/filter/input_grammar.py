@@ -17,6 +17,7 @@ checks a role's variables with both. Filters here: ``systemd_arg``, ``systemd_pa
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import posixpath
@@ -286,6 +287,18 @@ def _worker_env_name():
     return check
 
 
+def _job_env_name():
+    def check(value, spec) -> str | None:
+        if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            return "has the wrong form"
+        if value.startswith("EAGLE3_"):
+            return f"is set by the role ({WORKER_ENV_RESERVED_PREFIXES['EAGLE3_']})"
+        return None
+
+    check.allowed = "an environment variable name (letters, digits, _) outside the project's own EAGLE3_*"
+    return check
+
+
 def _flag():
     def check(value, spec) -> str | None:
         return None if as_bool(value) is not None else "is not a boolean"
@@ -307,6 +320,40 @@ def _command():
     check.allowed = (
         "a command name found on PATH (letters, digits, _ . + -) or an absolute path, e.g. python3"
     )
+    return check
+
+
+_HOSTNAME = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+
+
+def bind_address_problem(value) -> str | None:
+    """Why `value` is not an address a server can listen on (an IP address, or a host name that does not look like
+    a malformed address), or None.
+
+    >>> bind_address_problem("127.0.0.1"), bind_address_problem("::1"), bind_address_problem("ct129.lan")
+    (None, None, None)
+    >>> bind_address_problem("127.0.0.256"), bind_address_problem("http://x"), bind_address_problem("")
+    ('is not an IP address', 'has the wrong form', 'has the wrong form')
+    """
+    if not isinstance(value, str) or not value:
+        return "has the wrong form"
+    try:
+        ipaddress.ip_address(value)
+        return None
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*", value):
+        return "is not an IP address"
+    return None if len(value) <= 253 and _HOSTNAME.fullmatch(value) else "has the wrong form"
+
+
+def _bind_address():
+    def check(value, spec) -> str | None:
+        return bind_address_problem(value)
+
+    check.allowed = "an IP address (127.0.0.1, ::1, 0.0.0.0 for every interface) or a host name of the CT"
     return check
 
 
@@ -338,6 +385,11 @@ KINDS = {
         r"[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.:/@+-]+", "NAME=VALUE, e.g. EAGLE3_JOB=eagle3-train"
     ),
     "worker_env_name": _worker_env_name(),
+    "job_env_name": _job_env_name(),
+    "env_value": _kind(
+        r"[A-Za-z0-9_.,:/@+=-]+",
+        "a value of letters, digits and _ . , : / @ + = - (what device lists, sizes and names need), e.g. 0,1,2,3",
+    ),
     "env_name": _kind(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name (letters, digits, _)"),
     "proc_glob": _kind(
         r"[A-Za-z0-9_.:@+*?\[\]-]+", "a process name or glob, e.g. nvidia-persistenced or dcgm*", 64
@@ -346,6 +398,11 @@ KINDS = {
     "host": _kind(
         r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*",
         "a host name or an IP address",
+    ),
+    "bind_address": _bind_address(),
+    "model_name": _kind(
+        r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]*",
+        "a model name of letters, digits and _ . : / @ + -, e.g. kimi-k2.5-eagle3",
     ),
     "inventory_host": _kind(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", "an inventory host name"),
     "ifname": _kind(

@@ -173,12 +173,19 @@ def _check_list(name: str, value, spec: dict) -> str | None:
         )
     if not value and not spec.get("empty"):
         return f"{name}=[] is empty; allowed: a non-empty list of {allowed_text(of)}"
+    forbid = spec.get("forbid", {})
     for i, item in enumerate(value):
         if of == "argv_item" and isinstance(item, (int, float)) and not isinstance(item, bool):
             continue
         problem = check_kind(of, item, {})
         if problem:
             return f"{name}[{i}]={show(item)} {problem}; allowed: {allowed_text(of)}"
+        flag = item.split("=", 1)[0].replace("_", "-") if isinstance(item, str) else ""
+        if flag in forbid:
+            return (
+                f"{name}[{i}]={show(item)} sets what the role sets itself; allowed: any other argument "
+                f"(for {flag}, set {forbid[flag]})"
+            )
     return None
 
 
@@ -312,7 +319,8 @@ def stray_variables(names: list, extra_known: list | None = None) -> list[str]:
     ['checkpoint_every is not a variable of these playbooks: a trainer setting goes in
       eagle3_train_config_overrides, e.g. -e \\'{"eagle3_train_config_overrides": {"checkpoint_every": ...}}\\'',
      'eagle_train_run_dir is not a variable of these playbooks; did you mean eagle3_train_run_dir?',
-     'run_dir is not a variable of these playbooks; did you mean eagle3_train_run_dir or eagle3_evaluate_run_dir?']
+     'run_dir is not a variable of these playbooks; did you mean eagle3_train_run_dir or eagle3_evaluate_run_dir or
+      eagle3_serve_run_dir?']
     """
     known = (
         {n for table in ROLE_VARIABLES.values() for n in table} | set(PLAYBOOK_NAMES) | set(extra_known or ())

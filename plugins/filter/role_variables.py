@@ -11,12 +11,23 @@ from __future__ import annotations
 
 # ---------------------------------------------------------------------------------------------------- tables
 # name -> spec. "kind": a KINDS entry, or one of: seq_len, bool, int, float, nproc, node_rank, context_parallel,
-# list (of "of": a kind), int_list, dict (keys "keys", values "values": kinds), trainer_config (a dict the trainer's
-# declaration checks; "forbid": keys the role sets itself), raw (checked elsewhere; "why" says where). "empty": ""
-# is allowed.
+# list (of "of": a kind; "forbid": command-line flags the role sets itself, each with its variable), int_list,
+# dict (keys "keys", values "values": kinds), trainer_config (a dict the trainer's declaration checks; "forbid": keys
+# the role sets itself), raw (checked elsewhere; "why" says where). "empty": "" is allowed.
 # int/float/int_list: "min"/"max" inclusive, "below" exclusive. tests/test_role_inputs.py holds every table to its
 # role's meta/argument_specs.yml.
 ROLE_FORBIDDEN_KEYS = ("max_seq_len", "context_parallel", "data_dir", "run_dir")
+# vLLM's arguments the serve role sets itself (eagle3_serve_args may not), each with the variable that sets it.
+SERVE_ROLE_ARGS = {
+    "--model": "eagle3_serve_target",
+    "--speculative-config": "eagle3_serve_drafter",
+    "--host": "eagle3_serve_host",
+    "--port": "eagle3_serve_port",
+    "--dtype": "eagle3_serve_dtype",
+    "--enforce-eager": "eagle3_serve_enforce_eager",
+    "--served-model-name": "eagle3_serve_served_model_name",
+    "--max-model-len": "eagle3_serve_max_model_len",
+}
 ROLE_VARIABLES: dict[str, dict[str, dict]] = {
     "eagle3_train": {
         "eagle3_train_max_seq_len": {"kind": "seq_len"},
@@ -110,6 +121,26 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "eagle3_evaluate_prefix": {"kind": "owned_dir"},
         "eagle3_evaluate_venv": {"kind": "owned_dir"},
         "eagle3_evaluate_timeout": {"kind": "int", "min": 1},
+    },
+    "eagle3_serve": {
+        "eagle3_serve_target": {"kind": "abspath"},
+        "eagle3_serve_drafter": {"kind": "abspath", "empty": True},
+        "eagle3_serve_run_dir": {"kind": "owned_dir"},
+        "eagle3_serve_checkpoint": {"kind": "raw", "why": "its choices (meta/argument_specs.yml)"},
+        "eagle3_serve_export_dir": {"kind": "owned_dir"},
+        "eagle3_serve_host": {"kind": "bind_address"},
+        "eagle3_serve_port": {"kind": "int", "min": 1, "max": 65535},
+        "eagle3_serve_served_model_name": {"kind": "model_name", "empty": True},
+        "eagle3_serve_num_speculative_tokens": {"kind": "int", "min": 1, "max": 16},
+        "eagle3_serve_dtype": {"kind": "raw", "why": "its choices (meta/argument_specs.yml)"},
+        "eagle3_serve_enforce_eager": {"kind": "bool"},
+        "eagle3_serve_max_model_len": {"kind": "int", "min": 0},
+        "eagle3_serve_args": {"kind": "list", "of": "argv_item", "empty": True, "forbid": SERVE_ROLE_ARGS},
+        "eagle3_serve_env": {"kind": "dict", "keys": "job_env_name", "values": "env_value"},
+        "eagle3_serve_prefix": {"kind": "owned_dir"},
+        "eagle3_serve_venv": {"kind": "owned_dir"},
+        "eagle3_serve_timeout": {"kind": "int", "min": 1},
+        "eagle3_serve_poll": {"kind": "int", "min": 1},
     },
     "run_lock": {
         "run_lock_path": {"kind": "abspath"},
