@@ -80,6 +80,10 @@ status:
   description: The exit status of the job's last run.
   returned: always
   type: int
+result:
+  description: How the job's last run ended, as systemd says it (Result - success, exit-code, signal, ...).
+  returned: always
+  type: str
 restarts:
   description: Times systemd restarted the job (NRestarts).
   returned: always
@@ -223,6 +227,7 @@ def describe(unit: str, props: dict, out: str, log: list[str], samples: int | No
         "samples": samples,
         "active": active,
         "status": status,
+        "result": props.get("Result", ""),
         "restarts": restarts,
         "line": line,
         "tail": log[-12:],
