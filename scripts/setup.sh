@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One idempotent set-up for both README commands (`make demo`, `make test`):
-#   1. Debian packages: lxc (the local CT 129), mmdebstrap (its root filesystem), psmisc, iproute2.
+#   1. Debian packages: lxc (the local CT 129), mmdebstrap (its root filesystem), psmisc, iproute2, libnuma1 (vLLM's CPU kernels load it).
 #   2. Controller venv  .venv        on Python >= 3.12 (Ansible, molecule, proxmoxer, linters, tests).
 #   3. Training venv    .venv-train  on Python 3.11   (torch 2.13.0, the trainer's dependencies, vLLM's CPU build).
 # A second run does no work it does not need: packages are checked with dpkg, and each venv carries a stamp
@@ -14,7 +14,7 @@ cd "$ROOT"
 . "$ROOT/scripts/venv.sh"
 
 # --- 1. Debian packages ----------------------------------------------------------------------------------
-APT_PACKAGES=(lxc mmdebstrap psmisc iproute2 make)
+APT_PACKAGES=(lxc mmdebstrap psmisc iproute2 make libnuma1)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
