@@ -2,7 +2,8 @@
 # GPU-only checks of eagle3-pve in one run (< 9.5 minutes): real /dev/nvidia* holders released by gpu_cleanup
 # with NVML back to baseline, flex_attention forward+backward, peak memory and tokens/s per max_seq_len for a
 # Kimi-shaped drafter on one GPU, planner prediction vs measured, the probe and its cache, and context parallelism:
-# the largest planned length at context_parallel 1 and at context_parallel = the GPUs present, run and measured.
+# the largest planned length at context_parallel 1 and at context_parallel = the GPUs present, run and measured;
+# then, where vLLM's CUDA build is installed, the drafter's real speed-up in vLLM (bench/vllm_speedup.py).
 #
 #   bench/gpu_check.sh             on a CUDA machine; figures in $OUT/gpu_check.json or bench/results/
 #   bench/gpu_check.sh --dry-run   anywhere: the same Python code path on CPU with a tiny drafter
@@ -51,4 +52,19 @@ fi
 export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 export PYTHONUNBUFFERED=1
-exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-560}" "$python" bench/gpu_check.py "$@"
+rc=0
+timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-560}" "$python" bench/gpu_check.py "$@" || rc=$?
+
+# The real speed-up of the drafter in vLLM on this GPU (bench/vllm_speedup.py: the tiny target and a drafter trained
+# on it for 100 steps, tokens/s with and without it, vLLM's acceptance beside the project's decoder). GPU only: the
+# CPU path is the trainer tier's test_vllm. Needs vLLM's CUDA build in the same venv (requirements/vllm-cuda.txt);
+# GPU_CHECK_VLLM_TIMEOUT (seconds, default 240; 0 skips it) bounds it. Its exit status does not change gpu_check's.
+if [[ "$dry_run" == 0 && "${GPU_CHECK_VLLM_TIMEOUT:-240}" != 0 ]]; then
+    if "$python" -c "import vllm" >/dev/null 2>&1; then
+        echo "gpu_check: vLLM speed-up (bench/vllm_speedup.py, at most ${GPU_CHECK_VLLM_TIMEOUT:-240} s)"
+        timeout --kill-after=15 "${GPU_CHECK_VLLM_TIMEOUT:-240}" "$python" bench/vllm_speedup.py || echo "gpu_check: vllm_speedup ended with status $?" >&2
+    else
+        echo "gpu_check: no vLLM in $python: the vLLM speed-up is not measured (pip install -r requirements/vllm-cuda.txt)" >&2
+    fi
+fi
+exit "$rc"
