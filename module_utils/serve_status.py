@@ -195,6 +195,30 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+# A traceback's last line, as vLLM's processes print it (the engine core's and workers' lines carry a "(Name pid=N)"
+# prefix), and the lines that only point at another one: the engine core's and the API server's wrappers.
+_RAISED = re.compile(r"^(?:\([^)]*\)\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
+_WRAPPER = re.compile(
+    r"see root cause above|see stack trace for root cause|initialization failed", re.IGNORECASE
+)
+
+
+def root_cause(log: list[str]) -> str | None:
+    """The error that made the server fail, from its last log lines: the last exception raised that is not one of
+    the wrappers vLLM puts around a worker's or engine core's failure (they say only "see root cause above").
+
+    >>> root_cause(["(Worker pid=7) ERROR WorkerProc failed to start.", "Traceback (most recent call last):",
+    ...             "(Worker pid=7) ValueError: head_dim 16 is not supported",
+    ...             "Exception: WorkerProc initialization failed due to an exception in a background process.",
+    ...             "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"])
+    '(Worker pid=7) ValueError: head_dim 16 is not supported'
+    >>> root_cause(["RuntimeError: Engine core initialization failed. See root cause above."]) is None
+    True
+    """
+    causes = [line.strip() for line in log if _RAISED.match(line.strip()) and not _WRAPPER.search(line)]
+    return causes[-1][:300] if causes else None
+
+
 def describe(
     unit: str,
     props: dict,
@@ -226,12 +250,19 @@ def describe(
     ...              "Result": "exit-code", "ExecMainStatus": "1"}, ["ValueError: bad"], "h:1", None, None)
     >>> r["verdict"], r["summary"]
     ('failed', 's: failed (exit-code, exit status 1, restarting): ValueError: bad')
+    >>> describe("s", {"LoadState": "loaded", "ActiveState": "activating", "SubState": "auto-restart",
+    ...           "Result": "exit-code", "ExecMainStatus": "1"}, ["(EngineCore pid=9) OSError: [Errno 28] No space",
+    ...           "RuntimeError: Engine core initialization failed. See root cause above."], "h:1", None, None)["summary"]
+    's: failed (exit-code, exit status 1, restarting): RuntimeError: Engine core initialization failed. See root cause above. (the cause: (EngineCore pid=9) OSError: [Errno 28] No space)'
     >>> describe("s", {"LoadState": "not-found"}, [], "", None, None)["summary"]
     's: not set up (no serve.yml has run here)'
     """
     active, sub = props.get("ActiveState", ""), props.get("SubState", "")
     status = int(props.get("ExecMainStatus") or 0)
     last = log[-1][:200] if log else "no log lines"
+    cause = root_cause(log)
+    if cause and cause not in last:
+        last = f"{last} (the cause: {cause})"
     url = f"http://{address}" if address else "an unknown address"
     measured = f"; {acceptance_line(acc)}" if acc is not None or metrics else ""
     if props.get("LoadState", "not-found") == "not-found":

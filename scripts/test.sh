@@ -152,7 +152,7 @@ for w in "${want[@]}"; do
     molecule)
         collect tiny-target
         collect ct-image
-        for s in default pve lxc multinode; do
+        for s in default pve lxc pipeline multinode; do
             [ -f "molecule/$s/molecule.yml" ] && continue
             printf '\n=== molecule-%s: missing\n' "$s"; failed=$((failed + 1)); failures+=("molecule-$s (missing)")
         done
@@ -160,12 +160,15 @@ for w in "${want[@]}"; do
             [ -f "molecule/$s/molecule.yml" ] || continue
             if [[ " ${early_scenarios[*]} " == *" $s "* ]]; then collect "molecule-$s"; else stage "molecule-$s" molecule test -s "$s"; fi
         done
-        # The two scenarios with CTs side by side (their own lxcpaths, VMIDs and network namespace; the root file
+        # The three scenarios with CTs side by side (their own lxcpaths, VMIDs and network namespace; the root file
         # system is built above): most of their time is one task after another through pct exec, each waiting on
         # the previous one, and the trainers in the CTs run at nice 19, so one scenario's tasks fill the gaps of
-        # the other's. multinode's output is printed after lxc's.
+        # the others'. pipeline holds the cases split off lxc (same tasks files, a CT of its own). Their output is
+        # printed after lxc's.
         [ -f molecule/multinode/molecule.yml ] && beside molecule-multinode molecule test -s multinode
+        [ -f molecule/pipeline/molecule.yml ] && beside molecule-pipeline molecule test -s pipeline
         [ -f molecule/lxc/molecule.yml ] && stage molecule-lxc molecule test -s lxc
+        collect molecule-pipeline
         collect molecule-multinode
         ;;
     *) echo "unknown stage $w (lint|pytest|molecule)" >&2; exit 2 ;;
