@@ -2,11 +2,13 @@
 #   make demo   set up, provision the local CT 129, make real training data in it (the tiny target, datagen.yml),
 #               run train.yml on it (max_seq_len=16384)
 #   make test   set up, then every lint and test tier, ending with one summary line
+#   make test-quick  the inner loop beside it, never instead of it: set up, lint, then both pytest tiers without
+#               the tests marked slow (no molecule)
 SHELL := /bin/bash
 VENV := .venv/bin
 MAX_SEQ_LEN ?= 16384
 
-.PHONY: setup demo test lint pytest molecule clean-ct
+.PHONY: setup demo test test-quick lint pytest molecule clean-ct
 
 setup:
 	@scripts/setup.sh
@@ -18,6 +20,9 @@ demo: setup
 test:
 	@t0=$$(date +%s); scripts/setup.sh && \
 	EAGLE3_SETUP_SECONDS=$$(( $$(date +%s) - t0 )) PATH=$(CURDIR)/$(VENV):$$PATH scripts/test.sh
+
+test-quick: setup
+	@PATH=$(CURDIR)/$(VENV):$$PATH scripts/test.sh quick
 
 lint: setup
 	@PATH=$(CURDIR)/$(VENV):$$PATH scripts/test.sh lint

@@ -2,7 +2,9 @@
 # Every test tier, in order of cost, each recorded as pass/fail; ends with one summary line
 #   summary: N passed, N failed, N skipped
 # where pytest contributes its test counts and every other stage (lint, molecule scenario) counts as one.
-# Usage: scripts/test.sh [lint|pytest|molecule]...   (default: all)
+# Usage: scripts/test.sh [lint|pytest|molecule|quick]...   (default: lint pytest molecule)
+#   quick: the inner loop (make test-quick): the lint stages, then both pytest tiers with -m "not slow"; no
+#   molecule, and none of the stages run beside the others (tiny target, CT image). Never a stand-in for the rest.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -84,6 +86,28 @@ PY
         "$([ "$rc" -eq 0 ] && echo ok || echo "FAILED (rc=$rc)"): $p passed, $f failed, $s skipped"
 }
 
+lint_stages() {  # the lint stages, each counted as one test
+    stage ruff-check ruff check .
+    stage ruff-format ruff format --check .
+    stage ansible-lint ansible-lint --profile production -q
+}
+pytest_tiers() {  # pytest_tiers NAME ARGS...: both pytest tiers, ARGS passed to each pytest, then their accounts
+    local name=$1; shift
+    # The two tiers run side by side: the controller tier mostly waits on single-threaded ansible-playbook
+    # runs and the trainer tier on torch processes, so together they fill the 2 cores better than in turn.
+    # Their output is printed one tier after the other; their wall times overlap (and add up to more than
+    # the "NAME, both tiers" line).
+    local t0=$SECONDS controller
+    printf '\n=== %s: the controller and trainer tiers side by side\n' "$name"
+    pytest_run pytest-controller "$ROOT/.venv/bin/python" "$ROOT" tests "$@" &
+    controller=$!
+    pytest_run pytest-trainer "$ROOT/.venv-train/bin/python" "$ROOT/training" tests "$@"
+    wait "$controller"
+    pytest_account pytest-controller "$ROOT"
+    pytest_account pytest-trainer "$ROOT/training"
+    timing "$name, both tiers" "$t0" "side by side"
+}
+
 want=("$@"); [ ${#want[@]} -gt 0 ] || want=(lint pytest molecule)
 wants() { [[ " ${want[*]} " == *" $1 "* ]]; }
 declare -A beside_pid=()
@@ -128,26 +152,16 @@ if wants lint && wants molecule; then
 fi
 for w in "${want[@]}"; do
     case "$w" in
-    lint)
-        stage ruff-check ruff check .
-        stage ruff-format ruff format --check .
-        stage ansible-lint ansible-lint --profile production -q
-        ;;
+    lint) lint_stages ;;
     pytest)
         collect tiny-target
-        # The two tiers run side by side: the controller tier mostly waits on single-threaded ansible-playbook
-        # runs and the trainer tier on torch processes, so together they fill the 2 cores better than in turn.
-        # Their output is printed one tier after the other; their wall times overlap (and add up to more than
-        # the "pytest, both tiers" line).
-        t0=$SECONDS
-        printf '\n=== pytest: the controller and trainer tiers side by side\n'
-        pytest_run pytest-controller "$ROOT/.venv/bin/python" "$ROOT" tests &
-        controller=$!
-        pytest_run pytest-trainer "$ROOT/.venv-train/bin/python" "$ROOT/training" tests
-        wait "$controller"
-        pytest_account pytest-controller "$ROOT"
-        pytest_account pytest-trainer "$ROOT/training"
-        timing "pytest, both tiers" "$t0" "side by side"
+        pytest_tiers pytest
+        ;;
+    quick)
+        # The tests marked slow (ansible-playbook, multi-process and learning runs) are deselected: pytest's count
+        # of them is in each tier's last line. A trainer test that needs the tiny target builds it itself.
+        lint_stages
+        pytest_tiers "pytest not slow" -m "not slow"
         ;;
     molecule)
         collect tiny-target
@@ -171,7 +185,7 @@ for w in "${want[@]}"; do
         collect molecule-pipeline
         collect molecule-multinode
         ;;
-    *) echo "unknown stage $w (lint|pytest|molecule)" >&2; exit 2 ;;
+    *) echo "unknown stage $w (lint|pytest|molecule|quick)" >&2; exit 2 ;;
     esac
 done
 

@@ -20,6 +20,8 @@ import pytest
 import yaml
 from helpers.local_inventory import local_training_inventory
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 TEMPLATE = ROOT / "roles" / "eagle3_train" / "templates" / "train.yaml.j2"

@@ -200,6 +200,7 @@ def test_the_unit_templates_carry_the_mark():
 
 
 # ------------------------------------------------------------------------------------------- the playbooks
+@pytest.mark.slow
 def test_cleanup_and_train_refuse_the_table_before_touching_anything(inventory, tmp_path):  # noqa: F811
     victim = tmp_path / "victim"
     victim.mkdir()

@@ -378,6 +378,7 @@ def test_put_file_leaves_the_controller_file_alone(tmp_path):
     assert oct(src.stat().st_mode & 0o7777) == "0o644"
 
 
+@pytest.mark.slow
 def test_put_file_streams_a_file_larger_than_the_memory_cap(fake_pct, tmp_path):
     """A 1 GiB file is put by a process whose address space may grow by only 256 MiB: nothing reads it whole."""
     script, log = fake_pct

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from helpers.local_inventory import local_training_inventory
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 

@@ -124,6 +124,7 @@ def test_facts_module_reads_and_never_writes(tmp_path, capsys):
     assert sorted((p, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_host_role_facts_and_checks_run_against_a_fake_tree(tmp_path):
     """The role's own tasks (not only its module), on localhost, with the systemd parts switched off."""
     fake_node(tmp_path, control=("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"))

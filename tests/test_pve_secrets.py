@@ -68,6 +68,7 @@ def pve(fakepve):
 # ----------------------------------------------------------------- the PROXMOX_* environment, through the role
 
 
+@pytest.mark.slow
 def test_the_role_leaves_the_api_to_the_proxmox_environment_when_the_variables_are_empty(
     pve, fakepve_cafile, tmp_path
 ):
@@ -85,6 +86,7 @@ def test_the_role_leaves_the_api_to_the_proxmox_environment_when_the_variables_a
     assert ct is not None and ct.status == "running" and ct.config["hostname"] == "train129"
 
 
+@pytest.mark.slow
 def test_empty_variables_are_not_passed_but_set_ones_win_over_the_environment(pve, fakepve_cafile, tmp_path):
     # A wrong PROXMOX_PORT in the environment: the inventory's port is the one used.
     env = {"PROXMOX_HOST": "127.0.0.1", "PROXMOX_PORT": "1", "PROXMOX_PASSWORD": pve.password}
@@ -97,6 +99,7 @@ def test_empty_variables_are_not_passed_but_set_ones_win_over_the_environment(pv
 # ----------------------------------------------------------------- secrets never show
 
 
+@pytest.mark.slow
 @pytest.mark.fakepve(password=PASSWORD)
 def test_the_api_password_never_shows_and_a_failure_still_says_why(pve, fakepve_cafile, tmp_path):
     inv = inventory(tmp_path, host=pve.host, port=pve.port, password=PASSWORD, ca_path=fakepve_cafile)
@@ -143,6 +146,7 @@ def test_every_role_task_that_passes_credentials_has_no_log():
 # ----------------------------------------------------------------- the training env file
 
 
+@pytest.mark.slow
 def test_the_training_env_file_is_0600_and_its_content_never_shows_in_diff(tmp_path):
     """The role's own task (from deploy.yml), run on this machine with a token in eagle3_train_env."""
     deploy = yaml.safe_load((ROOT / "roles/eagle3_train/tasks/deploy.yml").read_text())

@@ -16,6 +16,8 @@ import textwrap
 import pytest
 from pve_fixtures import ROOT
 
+pytestmark = pytest.mark.slow
+
 FAKE_RUN = textwrap.dedent(
     """\
     #!/bin/sh

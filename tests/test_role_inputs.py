@@ -233,6 +233,7 @@ def run(playbook: str, inventory: Path, extra: dict, *flags: str) -> subprocess.
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("playbook", "roles", "flags"),
     [

@@ -112,6 +112,7 @@ def test_hanging_nvidia_smi_times_out_and_leaves_no_process_behind(hanging):
     assert gone(stand_in) and gone(helper), "the hung nvidia-smi (or what it started) was left running"
 
 
+@pytest.mark.slow
 def test_nvidia_smi_that_survives_sigkill_is_left_behind_within_a_bound(hanging, monkeypatch):
     """A tool stuck in the kernel (D state after an Xid) does not die on SIGKILL: the wait for it must end too.
 

@@ -298,6 +298,7 @@ def _patched(obj, name, value):
         setattr(obj, name, old)
 
 
+@pytest.mark.slow
 def test_contenders_racing_for_a_stale_lock_get_exactly_one_owner(tmp_path):
     path = str(tmp_path / "lock")
     for winners in race(path, contenders=4, rounds=150):
@@ -319,6 +320,7 @@ def _contend_in_process(path: str, name: str, start_at: float, queue) -> None:
     queue.put((name, run_lock.acquire_once(path, name, ttl=60)[0]))
 
 
+@pytest.mark.slow
 def test_processes_racing_for_a_stale_lock_get_exactly_one_owner(tmp_path):
     path = str(tmp_path / "lock")
     ctx = multiprocessing.get_context("fork")
@@ -611,6 +613,7 @@ def playbook(tmp_path):
     return run, lock
 
 
+@pytest.mark.slow
 def test_role_end_to_end_a_killed_run_is_broken_by_the_next_one(playbook):
     run, lock = playbook
     first, out = run("-e", "hold=300", background=True)
@@ -654,6 +657,7 @@ def test_role_end_to_end_a_killed_run_is_broken_by_the_next_one(playbook):
     assert list(lock.parent.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_role_end_to_end_check_mode_and_another_controllers_lock(playbook):
     run, lock = playbook
     check = run("--check")

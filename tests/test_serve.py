@@ -298,6 +298,7 @@ def rendered(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_unit_serves_the_target_with_the_exported_drafter_on_loopback(rendered):
     unit = (rendered / "defaults" / "eagle3-serve.service").read_text()
     argv, opts = exec_start(unit)
@@ -315,6 +316,7 @@ def test_the_unit_serves_the_target_with_the_exported_drafter_on_loopback(render
     assert "KillMode=control-group\n" in unit and "Restart=on-failure\n" in unit
 
 
+@pytest.mark.slow
 def test_the_unit_takes_the_inventorys_address_a_given_export_and_more_vllm_arguments(rendered):
     unit = (rendered / "gpu" / "eagle3-serve.service").read_text()
     argv, opts = exec_start(unit)
@@ -329,6 +331,7 @@ def test_the_unit_takes_the_inventorys_address_a_given_export_and_more_vllm_argu
     assert argv[-4:] == ["--tensor-parallel-size", "8", "--gpu-memory-utilization", "0.92"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 @pytest.mark.parametrize("case", ["defaults", "gpu"])
 def test_systemd_reads_the_unit_without_a_complaint(rendered, case):
@@ -355,6 +358,7 @@ BAD_SERVE_INPUTS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_serve_names_every_bad_variable_before_touching_the_ct(inventory, tmp_path):  # noqa: F811
     proc = run("serve.yml", inventory, {name: value for name, (value, _) in BAD_SERVE_INPUTS.items()})
     out = " ".join(proc.stdout.split())
@@ -365,6 +369,7 @@ def test_serve_names_every_bad_variable_before_touching_the_ct(inventory, tmp_pa
     assert not any((tmp_path / "lxc").iterdir())
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_drafter_that_is_no_export_and_what_else_cannot_work_changing_nothing(tmp_path):
     """On this machine in check mode, with every path under tmp_path: each problem of the CT's side named at once."""
     venv = tmp_path / "venv" / "bin"

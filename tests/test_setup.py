@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_SH = ROOT / "scripts" / "venv.sh"
 PY312 = Path(sys._base_executable)

@@ -59,6 +59,7 @@ def run_status(inventory: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (TRAIN_VENV / "bin" / "python").exists(), reason="no training venv (scripts/setup.sh)"
 )
@@ -75,12 +76,14 @@ def test_status_report_fetches_a_png_and_prints_its_path(target, tmp_path):
     assert sidecar["runs"][0]["phase"] == "failed" and sidecar["runs"][0]["train_records"] == 3
 
 
+@pytest.mark.slow
 def test_status_without_report_renders_nothing(target, tmp_path):
     proc = run_status(target)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "report written" not in proc.stdout and not (tmp_path / "run" / "report.png").exists()
 
 
+@pytest.mark.slow
 def test_status_rejects_a_report_value_that_is_not_a_boolean(target, tmp_path):
     proc = run_status(target, "report=maybe")
     assert proc.returncode != 0

@@ -327,6 +327,7 @@ def test_a_run_started_before_the_check_must_advance_to_count_as_healthy(fake_sy
     assert rc == 0 and res["verdict"] == "healthy" and res["status"]["step"] == 501
 
 
+@pytest.mark.slow
 def test_a_rescue_that_fails_again_with_the_same_message_does_not_print_it_twice(tmp_path):
     """The eagle3 callback: train.yml's rescue re-fails with the refusal it caught (adding the multi-node note);
     the message shows once, the second failure says `the error above` and what it adds."""

@@ -406,6 +406,7 @@ def plan(base: Path, msl: str, *extra: str, path_prefix: str = "") -> tuple[int,
     return proc.returncode, " ".join(proc.stdout.split())
 
 
+@pytest.mark.slow
 def test_planner_refuses_a_length_above_the_largest_that_fits(planner_target):
     rc, out = plan(planner_target, "65536", f"eagle3_train_plan_memory_gb={local_budget()}")
     assert rc == 2, out[-3000:]
@@ -424,6 +425,7 @@ def test_planner_refuses_a_length_above_the_largest_that_fits(planner_target):
         assert f"max_seq_len={ok} fits (the largest that fits: {largest})" in out
 
 
+@pytest.mark.slow
 def test_an_expert_can_run_an_unplanned_length(planner_target):
     rc, out = plan(
         planner_target,
@@ -437,12 +439,14 @@ def test_an_expert_can_run_an_unplanned_length(planner_target):
     )
 
 
+@pytest.mark.slow
 def test_auto_picks_the_largest_that_fits(planner_target):
     rc, out = plan(planner_target, "auto", f"eagle3_train_plan_memory_gb={local_budget()}")
     assert rc == 0, out[-3000:]
     assert re.search(r"max_seq_len=auto -> \d+: predicted peak", out), out[-3000:]
 
 
+@pytest.mark.slow
 def test_without_gpu_or_budget_an_explicit_length_is_not_bounded_and_auto_fails(planner_target):
     rc, out = plan(planner_target, "16384")
     assert rc == 0, out[-3000:]
@@ -451,6 +455,7 @@ def test_without_gpu_or_budget_an_explicit_length_is_not_bounded_and_auto_fails(
     assert rc == 2 and "max_seq_len=auto needs the memory per worker: target has no GPU" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_zero_budget_means_the_smallest_gpu(planner_target):
     # The fake nvidia-smi reports two 97887 MiB GPUs; the drafter is tiny, so 65536 fits them.
     rc, out = plan(planner_target, "65536", path_prefix=f"{ROOT / 'tests' / 'fakebin'}:")
@@ -458,6 +463,7 @@ def test_zero_budget_means_the_smallest_gpu(planner_target):
     assert "of 95.59 GiB per worker (the smallest GPU (NVIDIA RTX PRO 6000 Blackwell, 97887 MiB))" in out
 
 
+@pytest.mark.slow
 def test_context_parallel_auto_fails_where_the_planner_does_not_run(planner_target):
     rc, out = plan(planner_target, "16384", "eagle3_train__cp=auto")
     assert rc == 2, out[-3000:]
@@ -478,6 +484,7 @@ def planner_has_context_parallel() -> bool:
     return "--context-parallel" in proc.stdout
 
 
+@pytest.mark.slow
 def test_plan_yml_with_context_parallel(planner_target):
     """auto: the planner's choice and its table in the report; a value the planner refuses (exit 2): the failure
     names it and the service is not touched."""

@@ -55,6 +55,7 @@ def test_exact_matches_dense_reference_forward_and_backward(step, block_size):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
 
 
+@pytest.mark.slow
 def test_exact_backward_passes_gradcheck():
     q, keys, values = _qkv(2, DOCS.shape[0], head_dim=4)
     starts = document_starts(DOCS)
@@ -206,6 +207,7 @@ def test_grouped_kv_heads_match_the_reference_with_repeated_heads(step, kv_heads
     torch.testing.assert_close(flex, ref.float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_grouped_kv_backward_passes_gradcheck():
     q, keys, values = _gqa_qkv(1, DOCS.shape[0], 4, 2, head_dim=4)
     starts = document_starts(DOCS)

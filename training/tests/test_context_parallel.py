@@ -70,6 +70,7 @@ def _cases():
             yield f"{name}/row{row}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(_cases()))
 def test_context_parallel_matches_one_rank(results, key):
     found = results[key]
@@ -84,6 +85,7 @@ def test_context_parallel_matches_one_rank(results, key):
         assert grad.abs().max() > 0, f"{name}: a zero gradient proves nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: f"{c[0]}-cp{c[1]}-{c[3]}-{c[4]}")
 def test_planner_predicts_each_ranks_bytes_within_15_percent(results, case):
     """eagle3.memtrack on every rank of a context-parallel step (gloo, CPU) against the planner's held bytes at the
@@ -97,6 +99,7 @@ def test_planner_predicts_each_ranks_bytes_within_15_percent(results, case):
         assert abs(peak / measured["peak"] - 1) <= 0.15, (rank, peak, measured)
 
 
+@pytest.mark.slow
 def test_the_rows_of_a_dp_cp_mesh_differ(results):
     """The (dp 2, cp 2) case trains two different rows: their reference losses differ."""
     a = results["gqa-dp2-cp2/row0"]["reference"]["loss"]

@@ -25,7 +25,7 @@ from pipeline_support import (
     write_config,
 )
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 STEPS, KEPT = 8, 4  # steps of every run; the checkpoint a resume starts from
 RUN_TIMEOUT = 600
 

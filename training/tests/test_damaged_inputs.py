@@ -99,6 +99,7 @@ def test_a_damaged_best_is_refused_not_replaced_by_another(trained, tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_named_explicitly_is_neither_exported_nor_evaluated(trained, tmp_path):
     run, root = copy_run(trained, tmp_path)
     named = root / "step_00000002"

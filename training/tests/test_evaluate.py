@@ -42,6 +42,7 @@ def test_speculative_decoding_gives_the_targets_greedy_tokens_whatever_is_propos
         assert stats.tokens == 20 and 1 <= stats.tau <= 4
 
 
+@pytest.mark.slow
 def test_a_trained_drafter_beats_the_most_frequent_token_and_decodes_exactly(tiny_drafter, tmp_path):
     run_dir = Path(shutil.copytree(tiny_drafter.run_dir, tmp_path / "run"))  # the shared run stays as it was
     result = evaluate(

@@ -121,6 +121,7 @@ def _run(args, env_extra=None):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_generation_killed_with_sigkill_resumes_with_no_sample_lost_or_doubled(tiny_target, tmp_path):
     data = conversations(tmp_path / "chat.jsonl", count=7)
     args = ["--target", str(tiny_target), "--data", str(data), "--max-len", "256", "--shard-samples", "2"]
@@ -164,6 +165,7 @@ def test_a_folder_of_another_generation_is_refused(tiny_target, tmp_path):
         generate(tiny_target, data, tmp_path / "ds", max_len=256, **quiet)
 
 
+@pytest.mark.slow
 def test_regenerate_replaces_the_responses_by_the_targets_own_and_resumes(tiny_target, tmp_path):
     data = conversations(tmp_path / "chat.jsonl", count=3)
     quiet = {"log": lambda *a, **k: None, "max_len": 512, "shard_samples": 2, "regenerate_max_new": 16}

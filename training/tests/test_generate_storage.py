@@ -101,6 +101,7 @@ def pages(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
+@pytest.mark.slow
 def test_a_full_output_folder_stops_generate_once_naming_it_and_keeps_the_complete_shards(
     tiny_target, tmp_path
 ):
@@ -150,6 +151,7 @@ def test_a_full_output_folder_stops_generate_once_naming_it_and_keeps_the_comple
             assert all(torch.equal(x[k], y[k]) for k in x), i
 
 
+@pytest.mark.slow
 def test_a_read_only_output_folder_stops_generate_naming_it(tiny_target, tmp_path):
     data = conversations(tmp_path / "chat.jsonl", count=7)
     args = ["--target", str(tiny_target), "--data", str(data), "--max-len", "256", "--shard-samples", "2"]

@@ -217,6 +217,7 @@ def mla_config(tmp_path, data, **values):
     return write_config(tmp_path / "train.yaml", **{**base, **values})
 
 
+@pytest.mark.slow
 def test_an_mla_drafter_learns_resumes_and_exports_in_vllms_deepseek_layout(tmp_path_factory, tmp_path):
     from pipeline_support import read_metrics, read_status, run_trainer, synth_dataset
 
@@ -241,6 +242,7 @@ def test_an_mla_drafter_learns_resumes_and_exports_in_vllms_deepseek_layout(tmp_
     assert exported["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and exported["kv_lora_rank"] == 16
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_an_mla_drafter_under_two_rank_fsdp2_takes_the_ddp_runs_steps(tmp_path_factory, tmp_path):
     from pipeline_support import read_metrics, synth_dataset

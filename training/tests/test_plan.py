@@ -90,6 +90,7 @@ CASES += [
 CASES += [("h64-mla-direct-q", 768, "bf16", False), ("h64-mla-direct-q", 768, "fp32", "selective")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "seq_len", "dtype", "ckpt"), CASES)
 def test_prediction_is_within_15_percent_of_measured_bytes(name, seq_len, dtype, ckpt):
     spec = cpu_spec(SHAPES[name], dtype, ckpt)
@@ -289,6 +290,7 @@ def test_gpu_check_script_parses_and_fails_fast_without_a_gpu(tmp_path):
     assert "no NVIDIA driver" in run.stderr and "--dry-run" in run.stderr
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_exercises_the_same_python_path_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHON": sys.executable}

@@ -146,6 +146,7 @@ def _planned(data, packing):
     )
 
 
+@pytest.mark.slow
 def test_a_run_resumes_on_its_checkpoints_plan_or_says_it_was_re_planned(tmp_path, data):
     """A run keeps its packer's plan across a restart; a restart with the other packer re-plans the rest of the epoch,
     says so and how to keep the checkpoint's plan (packing: next_fit for checkpoints of earlier versions)."""
@@ -199,6 +200,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("errno_name", "kind", "says"),
     [

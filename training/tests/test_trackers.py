@@ -35,6 +35,7 @@ def scalars(folder) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_tensorboard_curves_continue_across_a_resume_without_the_steps_trained_again(tmp_path):
     """The same run also logs to MLflow: the resumed start continues the first start's MLflow run."""
     data = synth_dataset(tmp_path)
@@ -135,6 +136,7 @@ def expected_scalars(run) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_an_mlflow_file_store_run_holds_the_metrics_the_config_and_the_export(tmp_path):
     pytest.importorskip(
         "mlflow", reason="mlflow-skinny is in requirements/train.txt; scripts/setup.sh installs it"
@@ -203,6 +205,7 @@ def wandb_history(run_dir) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_an_offline_wandb_run_holds_the_metrics_and_the_config(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is in requirements/train.txt; scripts/setup.sh installs it")
     run, log = tiny_tracked_run(tmp_path, "wandb")

@@ -15,7 +15,7 @@ from eagle3.generate import read_records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # The tiny drafter's training (shared with test_evaluate) and two engine starts come first on a loaded machine.
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 K, MAX_NEW, PROMPTS = 3, 32, 4
 
 

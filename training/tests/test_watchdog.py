@@ -112,6 +112,7 @@ def test_fires_with_stacks_status_message_and_exit_4(tmp_path):
     assert "most recent call first" in text and "_a_stuck_step_for_the_stack_dump" in text
 
 
+@pytest.mark.slow
 def test_steps_on_time_and_a_long_checkpoint_within_its_bound_do_not_fire(tmp_path):
     # Bounds with seconds of slack: a loaded machine may deschedule this test for a while, and a test that says
     # "does not fire" must not fire then either.
@@ -203,6 +204,7 @@ def _run(args, log_path, env_extra=None, timeout=180):
         reap(proc)
 
 
+@pytest.mark.slow
 def test_a_hung_step_exits_4_with_stacks_and_the_restart_resumes(tmp_path_factory, tmp_path):
     data = synth_dataset(tmp_path_factory.getbasetemp())
     cfg = _config(tmp_path, data)
