@@ -262,6 +262,7 @@ RENDER = """\
         eagle3_serve_served_model_name: kimi-k2.5
         eagle3_serve_enforce_eager: true
         eagle3_serve_max_model_len: 32768
+        eagle3_serve_kv_cache_mib: 40960
         eagle3_serve_args: [--tensor-parallel-size, 8, --gpu-memory-utilization, "0.92"]
         eagle3_serve_env: {CUDA_VISIBLE_DEVICES: "0,1,2,3,4,5,6,7"}
 """
@@ -308,6 +309,7 @@ def test_the_unit_serves_the_target_with_the_exported_drafter_on_loopback(render
         "method": "eagle3", "model": "/var/lib/eagle3/serve/drafter", "num_speculative_tokens": 3}  # fmt: skip
     assert (opts["--host"], opts["--port"], opts["--dtype"]) == ("127.0.0.1", "8000", "bfloat16")
     assert "--enforce-eager" not in argv and "--served-model-name" not in argv
+    assert "--kv-cache-memory-bytes" not in argv  # vLLM sizes it (on a GPU, from --gpu-memory-utilization)
     # One of the project's GPU jobs: its mark, the clean-up's marker on every process, never beside the others,
     # and a stop that reaches the engine core (a process of its own) too.
     assert unit.splitlines()[1].startswith("# eagle3-pve:")
@@ -323,6 +325,7 @@ def test_the_unit_takes_the_inventorys_address_a_given_export_and_more_vllm_argu
     assert json.loads(opts["--speculative-config"])["model"] == "/srv/drafters/kimi-eagle3"
     assert (opts["--host"], opts["--port"]) == ("10.0.0.5", "8443")
     assert (opts["--served-model-name"], opts["--max-model-len"]) == ("kimi-k2.5", "32768")
+    assert opts["--kv-cache-memory-bytes"] == str(40 << 30)
     assert "--enforce-eager" in argv
     env = shlex.split(
         next(x for x in unit.splitlines() if x.startswith("Environment=")).removeprefix("Environment=")

@@ -27,6 +27,7 @@ SERVE_ROLE_ARGS = {
     "--enforce-eager": "eagle3_serve_enforce_eager",
     "--served-model-name": "eagle3_serve_served_model_name",
     "--max-model-len": "eagle3_serve_max_model_len",
+    "--kv-cache-memory-bytes": "eagle3_serve_kv_cache_mib",
 }
 ROLE_VARIABLES: dict[str, dict[str, dict]] = {
     "eagle3_train": {
@@ -135,6 +136,7 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "eagle3_serve_dtype": {"kind": "raw", "why": "its choices (meta/argument_specs.yml)"},
         "eagle3_serve_enforce_eager": {"kind": "bool"},
         "eagle3_serve_max_model_len": {"kind": "int", "min": 0},
+        "eagle3_serve_kv_cache_mib": {"kind": "int", "min": 0},
         "eagle3_serve_args": {"kind": "list", "of": "argv_item", "empty": True, "forbid": SERVE_ROLE_ARGS},
         "eagle3_serve_env": {"kind": "dict", "keys": "job_env_name", "values": "env_value"},
         "eagle3_serve_prefix": {"kind": "owned_dir"},
