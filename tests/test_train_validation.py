@@ -506,6 +506,7 @@ def test_plan_yml_with_context_parallel(planner_target):
     assert "context_parallel must divide the run's 2 workers" in out and "The service was not touched." in out
 
 
+@pytest.mark.slow  # planner_target: a module fixture that runs the planner
 def test_planner_json_has_what_the_verdict_reads(planner_target):
     """The fields seq_len_refusal reads come from `eagle3 plan --json --lengths N` (eagle3/plan/cli.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}

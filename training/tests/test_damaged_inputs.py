@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 VERIFIER = ["--verifier", "org/target", "--verifier-arch", "LlamaForCausalLM"]
 DAMAGE = "model.safetensors does not match its sha256"
+# Every test here reads the module's real training run (below).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,6 @@ def test_a_damaged_best_is_refused_not_replaced_by_another(trained, tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-@pytest.mark.slow
 def test_a_damaged_checkpoint_named_explicitly_is_neither_exported_nor_evaluated(trained, tmp_path):
     run, root = copy_run(trained, tmp_path)
     named = root / "step_00000002"

@@ -63,6 +63,7 @@ def report(args, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- report
+@pytest.mark.slow  # the module's real training run
 def test_report_of_a_real_run_is_a_png_with_every_panel(run, tmp_path):
     run_dir, _ = run
     out = tmp_path / "r" / "report.png"
@@ -82,6 +83,7 @@ def test_report_of_a_real_run_is_a_png_with_every_panel(run, tmp_path):
     assert f"wrote {out}" in log
 
 
+@pytest.mark.slow  # the module's real training run
 def test_report_skips_a_truncated_line_and_names_it(run, tmp_path):
     run_dir, _ = run
     copy = tmp_path / "cut"
@@ -104,6 +106,7 @@ def test_report_skips_a_truncated_line_and_names_it(run, tmp_path):
     assert "report: cut: metrics.jsonl line 3 skipped" in log and f"metrics.jsonl line {n} skipped" in log
 
 
+@pytest.mark.slow  # the module's real training run
 def test_two_runs_on_one_page_and_html(run, tmp_path):
     run_dir, _ = run
     empty = tmp_path / "starting"
@@ -128,6 +131,7 @@ def test_report_refuses_a_missing_run_dir(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- the run's sinks
+@pytest.mark.slow  # the module's real training run
 def test_prometheus_textfile_parses_and_carries_the_run(run):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -155,6 +159,7 @@ def test_prometheus_textfile_parses_and_carries_the_run(run):
     assert not list((run_dir.parent / "textfile").glob(".*"))  # the temp file was renamed, not left behind
 
 
+@pytest.mark.slow  # the module's real training run
 def test_cpu_run_records_no_gpu_and_says_what_is_off(run):
     run_dir, log = run
     (record,) = [json.loads(line) for line in (run_dir / TELEMETRY_FILE).read_text().splitlines()]
@@ -282,6 +287,7 @@ def test_nvml_reader_converts_units_and_flags_starvation(monkeypatch):
     assert nvml_reader() == (None, "no GPU")
 
 
+@pytest.mark.slow  # the module's real training run
 def test_the_grafana_dashboard_queries_only_metrics_the_trainer_writes(run):
     """dashboards/eagle3-training.json: every metric name in its queries is one the textfile carries (a real run's
     file, plus the GPU families from a sample, which a CPU run has none of)."""
