@@ -15,7 +15,7 @@ import torch
 from eagle3.config import TrainConfig
 from eagle3.data import DatasetReader, read_index
 from eagle3.errors import ConfigError, DataError
-from eagle3.generate import FAULT_KILL_ENV, generate, read_records, tokenize
+from eagle3.generate import FAULT_KILL_ENV, default_aux_layers, generate, read_records, tokenize
 from eagle3.spec import drafter_config
 from eagle3.tiny_target import cached
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,6 +59,21 @@ def test_the_loss_mask_covers_exactly_the_assistant_turns(tiny_target):
     text = tokenize({"text": "import os"}, tokenizer, 4096)
     assert all(text.loss_mask) and tokenizer.decode(text.input_ids) == "import os"
     assert len(tokenize(record, tokenizer, 5).input_ids) == 5
+
+
+def test_the_default_aux_layers_are_three_distinct_ascending_layers_of_any_target_of_3_layers_or_more():
+    for n in range(3, 81):
+        layers = default_aux_layers(n)
+        assert len(set(layers)) == 3 and list(layers) == sorted(layers), (n, layers)
+        assert all(0 <= i < n for i in layers), (n, layers)
+        reference = (2, n // 2, n - 3)  # EAGLE-3's, vLLM's and speculators' (2, n/2, n-3)
+        if len(set(reference)) == 3 and list(reference) == sorted(reference) and reference[-1] < n:
+            assert layers == reference, n  # what existing datasets and exports name stays as it was
+        else:
+            assert n < 7 and layers[1] == n // 2, (n, layers)
+    for n in (0, 1, 2):
+        with pytest.raises(ConfigError, match=f"the target has {n} decoder layers?: .* at least 3"):
+            default_aux_layers(n)
 
 
 @pytest.mark.parametrize(
