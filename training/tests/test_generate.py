@@ -12,10 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from eagle3.cli import main
 from eagle3.config import TrainConfig
 from eagle3.data import DatasetReader, read_index
 from eagle3.errors import ConfigError, DataError
-from eagle3.generate import FAULT_KILL_ENV, default_aux_layers, generate, read_records, tokenize
+from eagle3.generate import (
+    FAULT_KILL_ENV,
+    TOKENIZER_FILES,
+    default_aux_layers,
+    generate,
+    read_records,
+    tokenize,
+)
 from eagle3.spec import drafter_config
 from eagle3.tiny_target import cached
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,6 +98,22 @@ def test_bad_input_lines_are_refused_with_their_line_number(tmp_path, line, word
     path.write_text('{"text": "fine"}\n' + line + "\n")
     with pytest.raises(DataError, match=f"data.jsonl:2: .*{words}"):
         read_records(path)
+
+
+def test_a_target_folder_without_a_tokenizer_is_refused_in_one_line_naming_it(tiny_target, tmp_path, capsys):
+    target = tmp_path / "target"
+    target.mkdir()
+    for p in Path(tiny_target).iterdir():
+        if p.name not in TOKENIZER_FILES:
+            (target / p.name).symlink_to(p)
+    data = conversations(tmp_path / "chats.jsonl", 2)
+    assert main(["generate", str(tmp_path / "out"), "--target", str(target), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"generate: {target} has no tokenizer (none of tokenizer.json, ")
+        and err.count("\n") == 1
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_sharegpt_and_plain_text_read_as_conversations_and_text(tmp_path):
