@@ -11,8 +11,8 @@ Reported: tau_real = the tokens the drafting rounds added to the output per draf
 bonus included; 1 is no gain, K + 1 at most). Each prompt's prefill forward and the one token it yields are left
 out: that is the convention of vLLM's counters (1 + accepted / drafts, also reported here as acceptance_length),
 speculators and SpecForge, and the two differ only where a prompt's last round is cut at --max-new or at the end
-of text. (Until this convention, tau_real was tokens / target forwards with the prefill counted, which pulls the
-figure towards 1: 0.016 lower at tau 2 over 128 tokens.) With it: a 95 % bootstrap confidence interval of tau_real
+of text. (Before, tau_real was tokens / target forwards with the prefills counted, which pulls the figure towards
+1: 0.016 lower at tau 2 over 128 tokens; tokens_per_target_forward keeps that figure.) Beside it: a 95 % bootstrap confidence interval of tau_real
 over the prompts (BOOTSTRAP_RESAMPLES resamples of the prompts, seed BOOTSTRAP_SEED: a ratio of sums, so a prompt
 weighs by its rounds), each prompt's tokens, rounds, accepted drafts and tau, the acceptance rate per draft
 position (position i is reached only when 1..i-1 were accepted), and the wall-clock time of speculative and plain
@@ -25,9 +25,10 @@ its counters give the acceptance, its KV cache the real tokens/s. This decoder s
 
 The simulated acceptance length the trainer reports in validation assumes every position of every document can
 start a chain of ttt_steps drafts, teacher-forced; real decoding drafts K from the frontier only, feeds the drafter
-its own drafts, chains end at the end of the text, and a rejected draft restarts from the target's token. Every
-measurement so far nevertheless has the real figure above the simulated one: the simulated validation figure
-understated the real one by 12-18 % on a real target (and by up to about 10 % on the tiny one, docs/pipeline.md).
+its own drafts, chains end at the end of the text, and a rejected draft restarts from the target's token. Yet the
+measurements so far have the real figure above the simulated one: on a real target the simulated validation figure
+understated the real one by 12-18 %, and on the tiny target the real one came out above in 8 of 9 checkpoints
+(docs/pipeline.md). Read the simulated figure as a cautious estimate, not an upper bound.
 """
 
 from __future__ import annotations
