@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.acceptance import tau_of
 from eagle3.errors import ConfigError
-from eagle3.evaluate import tau_of
 
 # vLLM's counters of speculative decoding (`llm.get_metrics()`, and /metrics of `vllm serve`).
 DRAFTS = "vllm:spec_decode_num_drafts"
@@ -237,7 +237,7 @@ def summarize(k: int, spec: Decoded, plain: Decoded, start_seconds: dict) -> dic
         "tokens": spec.tokens,
         # one prefill per prompt (batch 1), then one target forward per drafting round
         "target_forwards": len(spec.outputs) + c.drafts,
-        # evaluate's tau_real (eagle3.evaluate.tau_of): the rounds' tokens per round, each prefill's token left out
+        # evaluate's tau_real (eagle3.acceptance.tau_of): the rounds' tokens per round, each prefill's token left out
         "tau_real": tau_of(spec.tokens, len(spec.outputs), c.drafts),
         "drafting_rounds": c.drafts,
         "accepted_tokens": c.accepted,

@@ -35,61 +35,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.acceptance import BOOTSTRAP_RESAMPLES, bootstrap_ci, tau_of
 from eagle3.errors import ConfigError
 
 # In the run folder: one line per `eagle3 evaluate` of one of its checkpoints.
 EVALUATE_FILE = "evaluate.jsonl"
-# The confidence interval of tau_real: prompts resampled with replacement this many times, from this seed (the
-# same prompts and drafter give the same interval).
-BOOTSTRAP_RESAMPLES = 2000
-BOOTSTRAP_SEED = 0
-
-
-def tau_of(tokens: int, prefills: int, rounds: int) -> float | None:
-    """tau_real's convention: the tokens of the drafting rounds per round; each prompt's prefill forward and the
-    token it yields are not counted (vLLM's counters, speculators, SpecForge). None without a round.
-
-    >>> tau_of(128, 4, 101), tau_of(1, 1, 0)
-    (1.2277, None)
-    """
-    return round((tokens - prefills) / rounds, 4) if rounds else None
-
-
-def bootstrap_ci(
-    prompts: list[tuple[int, int]], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
-) -> list[float] | None:
-    """95 % percentile bootstrap interval of sum(round tokens) / sum(rounds) over prompts given as (round tokens,
-    rounds): the prompts are resampled with replacement `resamples` times (random.Random(seed)), a resample
-    without a round is skipped. None when no prompt has a round; one prompt gives its own tau twice.
-
-    >>> prompts = [(30, 15), (45, 15), (60, 20), (20, 16), (70, 25), (33, 14)]  # tau_real 258 / 105 = 2.457
-    >>> bootstrap_ci(prompts)
-    [1.8922, 2.8772]
-    >>> bootstrap_ci([(12, 6)]), bootstrap_ci([(0, 0)])
-    ([2.0, 2.0], None)
-    """
-    if not any(rounds for _, rounds in prompts):
-        return None
-    rng, n, taus = random.Random(seed), len(prompts), []
-    for _ in range(resamples):
-        sample = rng.choices(prompts, k=n)
-        rounds = sum(r for _, r in sample)
-        if rounds:
-            taus.append(sum(t for t, _ in sample) / rounds)
-    taus.sort()
-
-    def quantile(q: float) -> float:  # linear between the two nearest order statistics
-        x = q * (len(taus) - 1)
-        i = int(x)
-        return taus[i] + (taus[min(i + 1, len(taus) - 1)] - taus[i]) * (x - i)
-
-    return [round(quantile(0.025), 4), round(quantile(0.975), 4)]
 
 
 @dataclass
@@ -295,7 +250,8 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3.generate import load_tokenizer, read_records
+    from eagle3.generate import read_records
+    from eagle3.tokenizer import load_tokenizer
 
     if k < 1 or max_new < 1 or prompts < 1:
         raise ConfigError("evaluate: --k, --max-new and --prompts must be at least 1")
@@ -322,14 +278,7 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         exact &= out == plain
         total.add(stats)
         plain_seconds += seconds
-        per_prompt.append(
-            {
-                "tokens": stats.tokens,
-                "rounds": stats.rounds,
-                "accepted": sum(stats.accepted),
-                "tau": stats.tau,
-            }
-        )
+        per_prompt.append({"tokens": stats.tokens, "rounds": stats.rounds, "accepted": sum(stats.accepted), "tau": stats.tau})  # fmt: skip
         log(
             f"evaluate: prompt {n}/{len(prompt_ids)}: {stats.tokens} tokens in {stats.rounds} rounds, tau "
             f"{_fmt(stats.tau)}; running tau_real {_fmt(total.tau)}"
@@ -367,16 +316,27 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         result["step"] = run_cfg.evaluated_step
         result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
     if baseline:
-        counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
-        for ids in prompt_ids:
-            counts += torch.bincount(torch.tensor(ids), minlength=counts.numel())
-        frequent = int(counts.argmax())
-        base = DecodeStats(reached=[0] * k, accepted=[0] * k)
-        for ids in prompt_ids:
-            base.add(speculative(runner, FrequentTokenProposer(frequent), ids, max_new, k, eos)[1])
-        result["tau_frequent_token"] = base.tau
+        result["tau_frequent_token"] = frequent_token_tau(
+            runner, target.config.vocab_size, prompt_ids, max_new, k, eos
+        )
     log(summary_line(result), flush=True)
     return result
+
+
+def frequent_token_tau(
+    runner, vocab_size: int, prompt_ids: list[list[int]], max_new: int, k: int, eos
+) -> float | None:
+    """The baseline: tau_real of a drafter that always proposes the prompts' most frequent token."""
+    import torch
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in prompt_ids:
+        counts += torch.bincount(torch.tensor(ids), minlength=counts.numel())
+    frequent = int(counts.argmax())
+    base = DecodeStats(reached=[0] * k, accepted=[0] * k)
+    for ids in prompt_ids:
+        base.add(speculative(runner, FrequentTokenProposer(frequent), ids, max_new, k, eos)[1])
+    return base.tau
 
 
 def _fmt(value: float | None) -> str:
@@ -439,7 +399,8 @@ def evaluate_vllm(
     `engines` (with, without), started by the caller on this drafter's export and left running, replace the two
     it would start; `drafter_path` then gives the run's step and simulated figure only."""
     from eagle3.engine_vllm import log_line, measure
-    from eagle3.generate import load_tokenizer, read_records
+    from eagle3.generate import read_records
+    from eagle3.tokenizer import load_tokenizer
 
     if k < 1 or max_new < 1 or prompts < 1:
         raise ConfigError("evaluate: --k, --max-new and --prompts must be at least 1")

@@ -21,9 +21,9 @@ from eagle3.evaluate import (
     speculative,
     summary_line,
 )
-from eagle3.generate import TOKENIZER_FILES
 from eagle3.report import write_report
 from eagle3.tiny_target import cached
+from eagle3.tokenizer import TOKENIZER_FILES
 from transformers import AutoModelForCausalLM
 
 # The first use builds the tiny target (scripts/test.sh builds it beforehand, beside lint): a pytest run alone may

@@ -18,7 +18,6 @@ from eagle3.data import DatasetReader, read_index
 from eagle3.errors import ConfigError, DataError
 from eagle3.generate import (
     FAULT_KILL_ENV,
-    TOKENIZER_FILES,
     default_aux_layers,
     generate,
     read_records,
@@ -26,6 +25,7 @@ from eagle3.generate import (
 )
 from eagle3.spec import drafter_config
 from eagle3.tiny_target import cached
+from eagle3.tokenizer import TOKENIZER_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TRAINING = Path(__file__).resolve().parents[1]
