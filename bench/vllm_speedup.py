@@ -95,7 +95,7 @@ def main() -> int:
         f"{ours['drafting_rounds']} rounds), per position {ours['acceptance_per_position']}"
     )
     print(
-        f"tau_real (tokens per target forward): vLLM {last['tau_real']}, project's decoder {ours['tau_real']}"
+        f"tau_real (tokens of the drafting rounds per round): vLLM {last['tau_real']}, project's decoder {ours['tau_real']}"
     )
     print(json.dumps({"vllm": runs, "eagle3": ours}))
     return 0

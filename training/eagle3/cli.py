@@ -234,5 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return commands[command](rest)
     except ConfigError as e:
-        print(f"{command}: {e}", file=sys.stderr, flush=True)
+        message = str(e)  # one line, the command's name first (once: many messages name it already)
+        print(
+            message if message.startswith(f"{command}:") else f"{command}: {message}",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_CONFIG

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.acceptance import tau_of
 from eagle3.errors import ConfigError
 
 # vLLM's counters of speculative decoding (`llm.get_metrics()`, and /metrics of `vllm serve`).
@@ -234,9 +235,10 @@ def summarize(k: int, spec: Decoded, plain: Decoded, start_seconds: dict) -> dic
         "k": k,
         "prompts": len(spec.outputs),
         "tokens": spec.tokens,
-        # one prefill per prompt (batch 1), then one target forward per drafting round: evaluate's tau_real
+        # one prefill per prompt (batch 1), then one target forward per drafting round
         "target_forwards": len(spec.outputs) + c.drafts,
-        "tau_real": round(spec.tokens / (len(spec.outputs) + c.drafts), 4),
+        # evaluate's tau_real (eagle3.acceptance.tau_of): the rounds' tokens per round, each prefill's token left out
+        "tau_real": tau_of(spec.tokens, len(spec.outputs), c.drafts),
         "drafting_rounds": c.drafts,
         "accepted_tokens": c.accepted,
         "acceptance_length": round(1 + c.accepted / c.drafts, 4) if c.drafts else None,

@@ -61,12 +61,29 @@ class Sample:
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's aux layers for an n-layer target: low, middle and high (speculators' and vLLM's default).
+    """EAGLE-3's aux layers for an n-layer target: a low, the middle and a high layer, ascending (the hidden states
+    entering those decoder layers, 0 being the embeddings).
+
+    From 7 layers on this is the convention of the EAGLE-3 reference code, vLLM (`get_eagle3_aux_hidden_state_layers`)
+    and speculators: (2, n // 2, n - 3). Below 7 layers those three collide or run backwards (6 layers: 2, 3, 3;
+    3 layers: 2, 1, 0), so the middle stays n // 2 and the low and high layers move to its neighbours where 2 and
+    n - 3 would reach it: low = min(2, n // 2 - 1), high = max(n - 3, n // 2 + 1). From 7 layers on these are
+    2 and n - 3, the values exported drafters already name. They are ascending because vLLM and the reference
+    concatenate the captured states in layer order, whatever order the ids are listed in. A target of fewer than
+    3 layers has no 3 distinct layers: ConfigError naming its depth.
 
     >>> default_aux_layers(32), default_aux_layers(61), default_aux_layers(8)
     ((2, 16, 29), (2, 30, 58), (2, 4, 5))
+    >>> [default_aux_layers(n) for n in range(3, 8)]
+    [(0, 1, 2), (1, 2, 3), (1, 2, 3), (2, 3, 4), (2, 3, 4)]
     """
-    return (2, num_layers // 2, num_layers - 3)
+    if num_layers < 3:
+        raise ConfigError(
+            f"the target has {num_layers} decoder layer{'s' * (num_layers != 1)}: EAGLE-3 reads the hidden states "
+            "of 3 distinct layers, so it needs a target of at least 3"
+        )
+    middle = num_layers // 2
+    return (min(2, middle - 1), middle, max(num_layers - 3, middle + 1))
 
 
 def read_records(path: Path) -> list[dict]:
@@ -331,9 +348,11 @@ def _target_shape(config, aux_layers, draft_vocab: int) -> tuple[tuple[int, int,
 def _load_target(target: Path, device: str):
     """(tokenizer, model in eval mode); device "auto" is CUDA in bf16 when there is a GPU, else CPU in fp32."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    from eagle3.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(target, "generate")
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
@@ -507,7 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", required=True, help="JSONL with messages, conversations or text; or a text file"
     )
     ap.add_argument("--max-len", type=int, default=2048, help="tokens per sample at most (longer are cut)")
-    ap.add_argument("--aux-layers", default="", help="three target layers, e.g. 2,16,29; empty: 2, n/2, n-3")
+    ap.add_argument(
+        "--aux-layers",
+        default="",
+        help="three target layers, e.g. 2,16,29; empty: 2, n/2, n-3 (see default_aux_layers)",
+    )
     ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocab size; 0: the target's vocab")
     ap.add_argument(
         "--dtype",

@@ -47,7 +47,7 @@ DEFAULT_CACHE_DIR = os.environ.get("EAGLE3_CACHE_DIR", "/var/cache/eagle3-pve")
 class TinyTargetConfig:
     vocab_size: int = 1024
     hidden_size: int = 64
-    num_layers: int = 8  # EAGLE-3's default aux layers (2, n/2, n-3) are distinct from 8 layers on
+    num_layers: int = 8  # default aux layers (eagle3.generate.default_aux_layers): 2, 4, 5
     # head_dim 64 / 2 = 32: the smallest vLLM's CPU attention takes (CPUAttentionBackend.get_supported_head_sizes in
     # vllm/v1/attention/backends/cpu_attn.py), so vLLM serves it and drafters trained on it; still GQA (2 heads, 1 KV)
     num_heads: int = 2
@@ -69,9 +69,9 @@ class TinyTargetConfig:
             raise ConfigError(
                 f"tiny-target: vocab_size={self.vocab_size} must be at least 300 (256 bytes + merges)"
             )
-        if self.num_layers < 6:
+        if self.num_layers < 3:
             raise ConfigError(
-                f"tiny-target: num_layers={self.num_layers} must be at least 6 (3 distinct aux layers)"
+                f"tiny-target: num_layers={self.num_layers} must be at least 3 (3 distinct aux layers)"
             )
 
 

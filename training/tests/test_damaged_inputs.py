@@ -15,6 +15,7 @@ import pytest
 import torch
 from eagle3 import checkpoint as ckpt
 from eagle3.errors import ConfigError
+from eagle3.tiny_target import cached
 from pipeline_support import read_status, run_trainer, synth_dataset, write_config
 from safetensors.torch import load_file
 
@@ -109,8 +110,9 @@ def test_a_damaged_checkpoint_named_explicitly_is_neither_exported_nor_evaluated
     assert code == 2, log
     assert f"export: --checkpoint '{named}': the checkpoint {named} is damaged ({DAMAGE}" in log
     assert not (tmp_path / "out" / "model.safetensors").exists()
-    # evaluate loads the drafter before the target: the refusal comes first, and nothing is recorded
-    args = ["evaluate", str(run), "--target", str(tmp_path / "no-target"), "--data", str(tmp_path / "none.jsonl"),
+    # evaluate checks the target's folder (config, tokenizer), then verifies the drafter before it loads the target:
+    # the refusal comes before any decoding, and nothing is recorded
+    args = ["evaluate", str(run), "--target", str(cached(log=lambda *a, **k: None)), "--data", str(tmp_path / "none.jsonl"),
             "--checkpoint", str(named)]  # fmt: skip
     code = run_trainer(args, tmp_path / "evaluate.txt")
     log = (tmp_path / "evaluate.txt").read_text()

@@ -12,12 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from eagle3.cli import main
 from eagle3.config import TrainConfig
 from eagle3.data import DatasetReader, read_index
 from eagle3.errors import ConfigError, DataError
-from eagle3.generate import FAULT_KILL_ENV, generate, read_records, tokenize
+from eagle3.generate import (
+    FAULT_KILL_ENV,
+    default_aux_layers,
+    generate,
+    read_records,
+    tokenize,
+)
 from eagle3.spec import drafter_config
 from eagle3.tiny_target import cached
+from eagle3.tokenizer import TOKENIZER_FILES
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TRAINING = Path(__file__).resolve().parents[1]
@@ -61,6 +69,21 @@ def test_the_loss_mask_covers_exactly_the_assistant_turns(tiny_target):
     assert len(tokenize(record, tokenizer, 5).input_ids) == 5
 
 
+def test_the_default_aux_layers_are_three_distinct_ascending_layers_of_any_target_of_3_layers_or_more():
+    for n in range(3, 81):
+        layers = default_aux_layers(n)
+        assert len(set(layers)) == 3 and list(layers) == sorted(layers), (n, layers)
+        assert all(0 <= i < n for i in layers), (n, layers)
+        reference = (2, n // 2, n - 3)  # EAGLE-3's, vLLM's and speculators' (2, n/2, n-3)
+        if len(set(reference)) == 3 and list(reference) == sorted(reference) and reference[-1] < n:
+            assert layers == reference, n  # what existing datasets and exports name stays as it was
+        else:
+            assert n < 7 and layers[1] == n // 2, (n, layers)
+    for n in (0, 1, 2):
+        with pytest.raises(ConfigError, match=f"the target has {n} decoder layers?: .* at least 3"):
+            default_aux_layers(n)
+
+
 @pytest.mark.parametrize(
     ("line", "words"),
     [
@@ -75,6 +98,22 @@ def test_bad_input_lines_are_refused_with_their_line_number(tmp_path, line, word
     path.write_text('{"text": "fine"}\n' + line + "\n")
     with pytest.raises(DataError, match=f"data.jsonl:2: .*{words}"):
         read_records(path)
+
+
+def test_a_target_folder_without_a_tokenizer_is_refused_in_one_line_naming_it(tiny_target, tmp_path, capsys):
+    target = tmp_path / "target"
+    target.mkdir()
+    for p in Path(tiny_target).iterdir():
+        if p.name not in TOKENIZER_FILES:
+            (target / p.name).symlink_to(p)
+    data = conversations(tmp_path / "chats.jsonl", 2)
+    assert main(["generate", str(tmp_path / "out"), "--target", str(target), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"generate: {target} has no tokenizer (none of tokenizer.json, ")
+        and err.count("\n") == 1
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_sharegpt_and_plain_text_read_as_conversations_and_text(tmp_path):
