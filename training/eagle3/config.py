@@ -45,6 +45,7 @@ NON_NEGATIVE = Bound(">= 0", lambda v: v >= 0, "must be 0 or more")
 POSITIVE = Bound("> 0", lambda v: v > 0, "must be positive")
 UNIT_INTERVAL = Bound("(0, 1]", lambda v: 0 < v <= 1, "must be in (0, 1]")
 FRACTION = Bound("[0, 1)", lambda v: 0 <= v < 1, "must be in [0, 1)")
+UNIT_CLOSED = Bound("[0, 1]", lambda v: 0 <= v <= 1, "must be in [0, 1]")
 CHECKPOINT_MODE = Bound(
     "false, selective, full (true = full)",
     lambda v: v in (False, True, "selective", "full"),
@@ -117,10 +118,17 @@ class TrainConfig:
         1.0, "loss weight of TTT step k is ttt_gamma**k", bound=UNIT_INTERVAL,
         fix="1.0 as in speculators, 0.8 as in EAGLE/SpecForge",
     )  # fmt: skip
+    lk_weight: float = option(
+        0.0, "share of the acceptance-aware LK loss, -log sum_v min(p_target, p_draft), in each position's loss: "
+        "(1 - lk_weight) x KL + lk_weight x LK; 0: KL only, 1: LK only", bound=UNIT_CLOSED,
+        fix="0 (KL), 1 (LK) or a mix such as 0.5",
+    )  # fmt: skip
     epochs: int = option(1, "passes over the training split (when max_steps is 0)", bound=AT_LEAST_1)
     max_steps: int = option(0, "optimizer steps in all; 0: the epochs decide", bound=NON_NEGATIVE)
     lr: float = option(1e-4, "peak AdamW learning rate", bound=POSITIVE, fix="for example 1e-4")
     weight_decay: float = option(0.0, "AdamW weight decay", bound=NON_NEGATIVE)
+    adam_beta1: float = option(0.9, "AdamW beta1 (the gradient's running mean)", bound=FRACTION)
+    adam_beta2: float = option(0.95, "AdamW beta2 (the squared gradient's running mean)", bound=FRACTION)
     warmup_steps: int = option(
         100, "linear warmup steps, then cosine decay to 10 % of lr", bound=NON_NEGATIVE
     )

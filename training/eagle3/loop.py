@@ -239,7 +239,11 @@ class Trainer:
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         fused = {"fused": True} if device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), **fused
+            self.trainable,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            **fused,
         )
         steps_per_epoch = len(self.plan(0))
         self.steps_per_epoch = steps_per_epoch

@@ -230,6 +230,7 @@ def measure_drafter_step(
     attention: str = "auto",
     autocast: bool = False,
     context=None,
+    lk_weight: float = 0.0,
 ) -> StepMemory:
     """Bytes of one ttt_forward + backward of `model` on `batch`, gradients excluded.
 
@@ -254,6 +255,7 @@ def measure_drafter_step(
                 activation_checkpointing=activation_checkpointing,
                 loss_chunk_size=loss_chunk_size,
                 attention=attention,
+                lk_weight=lk_weight,
                 **({"context": context} if context is not None else {}),
             )
 
@@ -279,4 +281,5 @@ def measure_planned_step(spec, seq_len: int, context=None) -> StepMemory:
     return measure_drafter_step(
         model, batch, ttt_steps=run.ttt_steps, autocast=run.autocast, loss_chunk_size=run.loss_chunk_size,
         activation_checkpointing=run.activation_checkpointing, attention=run.attention, context=context,
+        lk_weight=run.lk_weight,
     )  # fmt: skip

@@ -31,7 +31,7 @@ class StatAccumulator:
         self.reset()
 
     def reset(self) -> None:
-        self.stats = torch.zeros(len(STAT_KEYS), self.ttt_steps, dtype=torch.float64)  # [8, T]
+        self.stats = torch.zeros(len(STAT_KEYS), self.ttt_steps, dtype=torch.float64)  # [len(STAT_KEYS), T]
         self.scalars = torch.zeros(len(SCALAR_SUM_KEYS), dtype=torch.float64)  # [6]
         self.peak_mem = 0.0
 
@@ -53,9 +53,9 @@ class StatAccumulator:
 
 
 def summarize(stats: torch.Tensor) -> dict[str, list[float | None]]:
-    """Rates per TTT step from summed statistics [8, T].
+    """Rates per TTT step from summed statistics [len(STAT_KEYS), T].
 
-    >>> t = torch.zeros(8, 2, dtype=torch.float64)
+    >>> t = torch.zeros(len(STAT_KEYS), 2, dtype=torch.float64)
     >>> t[STAT_KEYS.index("count")] = torch.tensor([10., 8.])
     >>> t[STAT_KEYS.index("loss_sum")] = torch.tensor([5., 8.])
     >>> t[STAT_KEYS.index("full_acc_sum")] = torch.tensor([6., 2.])
@@ -73,6 +73,9 @@ def summarize(stats: torch.Tensor) -> dict[str, list[float | None]]:
         "cond_acc": rate(s["cond_acc_sum"], s["cond_acc_count"]),
         "full_acc_true": rate(s["full_acc_true_sum"], s["count"]),
         "cond_acc_true": rate(s["cond_acc_true_sum"], s["cond_acc_true_count"]),
+        # sum_v min(p_target, p_draft): how often speculative *sampling* (temperature 1) would accept the draft's
+        # token at each step, over all positions (not given the steps before; eagle3.loss)
+        "expected_acc": rate(s["alpha_sum"], s["count"]),
         "count": [float(v) for v in s["count"].tolist()],
     }
 
@@ -160,6 +163,7 @@ def rate_fields(summary: dict) -> dict:
         "cond_acc": summary["cond_acc"],
         "full_acc_true": summary["full_acc_true"],
         "cond_acc_true": summary["cond_acc_true"],
+        "expected_acc": summary["expected_acc"],
     }
 
 
@@ -181,7 +185,7 @@ def train_record(
     summed over the ranks (SCALAR_SUM_KEYS), each rank's peak memory and parameter checksum (None under FSDP
     or with one rank), `wall_s` since the window began.
 
-    >>> s = summarize(torch.ones(8, 2, dtype=torch.float64))
+    >>> s = summarize(torch.ones(len(STAT_KEYS), 2, dtype=torch.float64))
     >>> scalars = {"tokens": 800.0, "rows": 4.0, "steps": 4.0, "fetch": 0.4, "fwd": 2.0, "bwd": 1.2, "opt": 0.4}
     >>> r = train_record(s, scalars, [1.5, 2.0], None, step=10, epoch=0, max_steps=30, lr=1e-4, wall_s=2.0,
     ...                  world_size=2, mem_kind="rss")
@@ -232,7 +236,7 @@ def val_record(
     `ttt_steps` steps, from `cond_acc_true` (eagle3.acceptance); `acceptance_length_draft_vocab` the same from
     `cond_acc` (an upper bound). `batches` rows per rank were run out of `batches_total` (val_max_batches).
 
-    >>> t = torch.zeros(8, 2, dtype=torch.float64)
+    >>> t = torch.zeros(len(STAT_KEYS), 2, dtype=torch.float64)
     >>> for key, v in {"count": [10., 8.], "loss_sum": [5., 8.], "cond_acc_sum": [8., 4.], "cond_acc_count": [10., 8.],
     ...                "cond_acc_true_sum": [5., 2.], "cond_acc_true_count": [10., 5.]}.items():
     ...     t[STAT_KEYS.index(key)] = torch.tensor(v)

@@ -56,6 +56,7 @@ STAT_KEYS = (
     "cond_acc_true_sum",
     "cond_acc_true_count",
     "count",
+    "alpha_sum",
 )
 
 
@@ -401,10 +402,19 @@ class Eagle3Drafter(nn.Module):
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         attention: str = "auto",
         context: ContextShard = SINGLE,
+        lk_weight: float = 0.0,
     ):
         """See `ttt_forward`."""
         return _ttt_loss(
-            self, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention, context
+            self,
+            batch,
+            ttt_steps,
+            gamma,
+            activation_checkpointing,
+            loss_chunk_size,
+            attention,
+            context,
+            lk_weight,
         )
 
 
@@ -430,7 +440,7 @@ def _linear_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _ttt_loss(
     model: Eagle3Drafter, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention,
-    context: ContextShard = SINGLE,
+    context: ContextShard = SINGLE, lk_weight: float = 0.0,
 ):  # fmt: skip
     """The TTT steps first (every step's hidden state is kept for backward anyway: the next step's input), then
     the loss walked by chunks of *target* slots: a chunk's target logits, argmax and probabilities are made once
@@ -460,6 +470,7 @@ def _ttt_loss(
     loss = last_hidden.new_zeros((), dtype=torch.float32)
     kls: list[list] = [[] for _ in range(ttt_steps)]
     ids: list[list] = [[] for _ in range(ttt_steps)]
+    alphas: list[list] = [[] for _ in range(ttt_steps)]
     restricted, true = [], []
     for c in range(0, end - a, chunk):  # target slots a + c .. a + e
         e = min(c + chunk, end - a)
@@ -473,18 +484,19 @@ def _ttt_loss(
             if hi <= lo:
                 continue
             t0 = lo + 1 + step - c
-            part, kl, draft_ids = fused_kl(
+            part, kl, draft_ids, alpha = fused_kl(
                 model, hiddens[step][lo:hi], p_t[t0 : t0 + hi - lo], neg_entropy[t0 : t0 + hi - lo],
-                weights[step][lo:hi],
+                weights[step][lo:hi], lk_weight,
             )  # fmt: skip
             loss = loss + part
             kls[step].append(kl)
             ids[step].append(draft_ids)
+            alphas[step].append(alpha)
         del p_t, neg_entropy
     del hiddens
     restricted_ids = torch.cat(restricted) if restricted else torch.zeros(0, dtype=torch.long, device=device)
     true_ids = _true_target_ids(model, batch, true, restricted_ids)
-    stats = _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden)
+    stats = _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden, alphas)
     return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
 
 
@@ -507,9 +519,12 @@ def _true_target_ids(
     return true_ids
 
 
-def _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden) -> torch.Tensor:
-    """[len(STAT_KEYS), ttt_steps] float64 sums and counts on the CPU: KL, the accuracies within the draft vocabulary
-    and against the true target (a slot counts at step k when it and every step before were right)."""
+def _step_statistics(
+    model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden, alphas
+) -> torch.Tensor:
+    """[len(STAT_KEYS), ttt_steps] float64 sums and counts on the CPU: the loss, the accuracies within the draft
+    vocabulary and against the true target (a slot counts at step k when it and every step before were right), and
+    the expected acceptance alpha (eagle3.loss)."""
     device, seq_len, ttt_steps = last_hidden.device, last_hidden.shape[0], len(sup)
     stats = torch.zeros(len(STAT_KEYS), ttt_steps, dtype=torch.float64, device=device)
     all_right = torch.ones(seq_len, dtype=torch.bool, device=device)  # every step so far correct
@@ -518,6 +533,7 @@ def _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_
         supervised, count = sup[step]
         n = supervised.shape[0]
         _, kl, draft_ids = _joined(loss, kls[step], ids[step], last_hidden)
+        alpha = torch.cat(alphas[step]) if alphas[step] else kl
         target_slot = torch.arange(n, device=device) + 1 + step
         right = draft_ids == restricted_ids[target_slot]  # [n]
         right_true = (draft_ids + model.d2t[draft_ids]) == true_ids[target_slot]  # [n]
@@ -535,6 +551,7 @@ def _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_
                 (all_right_true[:n] & s).sum().double(),
                 (before_true & s).sum().double(),
                 count.double(),
+                (alpha * s).sum().double(),
             ]
         )
     return stats.cpu()  # one transfer for all statistics
@@ -550,15 +567,18 @@ def ttt_forward(
     loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
     attention: str = "auto",
     context: ContextShard = SINGLE,
+    lk_weight: float = 0.0,
 ):
     """Loss and statistics of one packed row over `ttt_steps` TTT steps.
 
-    loss = sum_k gamma^k * mean KL over the supervised slots of step k (a scalar to backward).
+    loss = sum_k gamma^k * mean loss_i over the supervised slots of step k (a scalar to backward), loss_i the
+    KL, or (1 - lk_weight) KL + lk_weight LK (eagle3.loss: the acceptance-aware loss).
     stats: float64 CPU tensors [ttt_steps] as sums and counts (all-reduce them in one collective):
-    loss_sum (KL summed over supervised slots), count (supervised slots), full_acc_sum (slots
+    loss_sum (loss_i summed over supervised slots), count (supervised slots), full_acc_sum (slots
     whose draft argmax matched at every step 0..k), cond_acc_sum / cond_acc_count (matched at k
     among slots that matched at every step < k), and the *_true_* versions that compare against
-    the target's argmax over its whole vocabulary (a target token outside the draft vocab is a miss).
+    the target's argmax over its whole vocabulary (a target token outside the draft vocab is a miss), and
+    alpha_sum (the expected acceptance sum_v min(p_target, p_draft), summed over supervised slots).
 
     context (eagle3.context): this rank's share of the row (eagle3.context.shard_row made the batch): the loss
     and the statistics of its slots; summed over the context-parallel ranks they are the row's.
@@ -573,6 +593,7 @@ def ttt_forward(
         loss_chunk_size=loss_chunk_size,
         attention=attention,
         context=context,
+        lk_weight=lk_weight,
     )
 
 

@@ -131,6 +131,7 @@ class RunOptions:
     shard_layout: str = "full"  # full | hsdp, as the config asks
     nodes: int = 1  # torchrun agents (nodes) in the run
     context_parallel: int = 1  # ranks one row is split over (eagle3.context); world_size / it rows per step
+    lk_weight: float = 0.0  # the acceptance-aware share of the loss (eagle3.loss)
 
     @property
     def data_parallel(self) -> int:
@@ -164,6 +165,7 @@ class RunOptions:
             "activation_checkpointing": self.activation_checkpointing,
             "loss_chunk_size": self.loss_chunk_size,
             "attention": self.attention,
+            "lk_weight": self.lk_weight,
         }
 
 
@@ -219,6 +221,7 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
         shard_layout=cfg.shard_layout,
         nodes=nodes,
         context_parallel=cfg.context_parallel,
+        lk_weight=cfg.lk_weight,
     )
 
 

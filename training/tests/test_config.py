@@ -93,6 +93,7 @@ def test_each_bound_is_enforced_with_the_key_the_value_and_the_bound(tmp_path, n
         "> 0": 0,
         "(0, 1]": 1.5,
         "[0, 1)": 1.0,
+        "[0, 1]": 1.5,
         "multiple of 128": 100,
         config.CHECKPOINT_MODE.label: "sometimes",
     }[spec.bound.label]

@@ -105,6 +105,18 @@ def test_prediction_is_within_15_percent_of_measured_bytes(name, seq_len, dtype,
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("lk", [0.0, 1.0])
+def test_the_acceptance_aware_loss_is_planned_within_15_percent(lk):
+    """lk_weight > 0 adds a one-byte [chunk, V] mask to the loss's peak (eagle3.loss.FusedKL): the plan counts it.
+    A large draft vocab makes the loss phase the step's peak, and the mask about 5 % of it: within 3 % both ways."""
+    shape = dataclasses.replace(SHAPES["h64"], draft_vocab_size=16384, target_vocab_size=16384)
+    spec = cpu_spec(shape).with_run(lk_weight=lk)
+    measured = measure_planned_step(spec, 384)
+    peak = P.dynamic_bytes(spec, 384)
+    assert abs(peak / measured.peak - 1) <= 0.03, f"lk {lk}: predicted {peak} vs measured {measured.peak}"
+
+
 def test_parameter_counts_match_the_real_model():
     for shape in [*SHAPES.values(), P.SHAPES["kimi-k2.5"]]:
         with torch.device("meta"):

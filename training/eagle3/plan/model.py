@@ -422,7 +422,8 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
 
     loss_chunk: the forward of the last step's loss (FusedKL makes the gradient there, nothing is recomputed): target
     probabilities, draft logits turned in place into log-probabilities and then into the logit gradient, their
-    product, the matmul outputs: four fp32 [chunk, V] at once; one pass (loss_chunk_size 0, or a chunk that
+    product, the matmul outputs: four fp32 [chunk, V] at once, and with the LK share of the loss (lk_weight > 0) a
+    one-byte mask of that size (measured: its other temporaries come after the peak's buffers are freed); one pass (loss_chunk_size 0, or a chunk that
     holds the row) adds the target probabilities of the whole row, made once and shared by every TTT step.
     decoder_step: backward of the last TTT step. MLP phase: the hidden gradient and three [S, I] gradients.
     Attention phase (the MLP and post-attention norm tensors of the step are freed by then): the gradients of q
@@ -438,7 +439,8 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
         spec.run.loss_chunk_size == 0 or spec.run.loss_chunk_size >= s
     )  # model.py: the target side once per row
     shared = FP32 * s * spec.drafter.draft_vocab_size if one_pass else 0
-    loss_chunk = 4 * FP32 * chunk * spec.drafter.draft_vocab_size + shared
+    per_element = 4 * FP32 + (1 if spec.run.lk_weight > 0 else 0)
+    loss_chunk = per_element * chunk * spec.drafter.draft_vocab_size + shared
     last = step_held_terms(spec, seq_len, k)
     mlp_phase = 2 * grad_h + s * 3 * i * lp
     attn = attention_grad_bytes(spec, seq_len, k)
