@@ -126,8 +126,8 @@ EXAMPLES = r"""
 RETURN = r"""
 verdict:
   description:
-    - C(healthy), C(done), C(oom), C(config), C(hang), C(disk_full), C(crash) (a crash loop included), C(stopped)
-      or C(timeout); C(waiting) when O(poll_for) ran out first.
+    - C(healthy), C(done), C(oom), C(config), C(hang), C(disk_full), C(read_only), C(no_permission), C(crash) (a
+      crash loop included), C(stopped) or C(timeout); C(waiting) when O(poll_for) ran out first.
     - C(lock_lost) when O(lock_path) could not be renewed because the lock is no longer this run's.
     - Every verdict but C(healthy), C(done) and C(waiting) fails the task.
   type: str

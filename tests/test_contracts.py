@@ -7,6 +7,8 @@
 - Exit codes: training/eagle3/errors.py is the source. module_utils/train_status.py (the target side is stdlib only
   and cannot import the trainer), eagle3.launch's error-kind map and the unit template's RestartPreventExitStatus=
   must agree with it.
+- Error kinds: eagle3.errors.ERROR_KINDS is the source; every list of them in the docs and the modules' docs names
+  them all.
 """
 
 from __future__ import annotations
@@ -200,3 +202,50 @@ def test_the_controller_reads_the_trainers_length_block(monkeypatch):
     plan = (ROOT / "roles/eagle3_train/tasks/plan.yml").read_text()
     assert "'eagle3_train__msl_chosen': 'config.SEQ_BLOCK' | trainer_constant" in plan
     assert not re.search(r"msl_chosen'?: *128\b", plan)
+
+
+# Where the trainer's error kinds are listed for a reader. A list is a run of at least three kinds, each within a
+# few words of the one before (no sentence ends between them).
+ERROR_KIND_DOCS = (
+    "README.md",
+    "docs/contracts.md",
+    "training/README.md",
+    "training/eagle3/errors.py",
+    "training/eagle3/launch.py",
+    "library/train_health.py",
+    "library/datagen_job.py",
+    "module_utils/train_status.py",
+)
+
+
+def _kind_lists(text: str):
+    """(text of the list, kinds named) of each run of at least three error kinds in `text`."""
+    pattern = "|".join(sorted(errors.ERROR_KINDS, key=len, reverse=True))
+    hits = list(re.finditer(rf"(?<![\w-])(?:{pattern})(?![\w-])", text))
+    run: list = []
+    for hit in [*hits, None]:
+        gap = text[run[-1].end() : hit.start()] if run and hit else None
+        if hit and run and len(gap) <= 45 and ". " not in gap and "\n\n" not in gap:
+            run.append(hit)
+            continue
+        if len(run) >= 3:
+            yield text[run[0].start() : run[-1].end()], {m.group(0) for m in run}
+        run = [hit] if hit else []
+
+
+def test_every_list_of_error_kinds_in_the_docs_is_complete():
+    """A new error kind is declared once (eagle3.errors.ERROR_KINDS): a list of five or more of them anywhere a reader
+    looks names every kind but crash (which some lists describe in words), or this test names the file and the list.
+    The storage kinds (exit 5) appear together wherever one of them is listed."""
+    storage = set(errors.STORAGE_KINDS.values())
+    problems = []
+    for name in ERROR_KIND_DOCS:
+        found = list(_kind_lists((ROOT / name).read_text()))
+        assert found, f"{name} no longer lists the error kinds: drop it from ERROR_KIND_DOCS"
+        for listed, named in found:
+            missing = set(errors.ERROR_KINDS) - named - {"crash"}
+            if named & storage and storage - named:
+                problems.append(f"{name}: {listed!r} lacks {sorted(storage - named)}")
+            elif len(named) >= 5 and missing:
+                problems.append(f"{name}: {listed!r} lacks {sorted(missing)}")
+    assert not problems, "\n".join(problems)

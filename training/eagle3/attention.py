@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from eagle3.blockmask import document_block_mask, document_starts, ttt_mask_mod
+from eagle3.blockmask import document_block_mask, document_starts
 from eagle3.errors import DataError
 from eagle3.options import attention_for
 
@@ -346,21 +346,3 @@ class TTTAttention:
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             out = _flex_fn(self.compiled)(q[None], k, v, block_mask=self.block_mask(step), **gqa)
         return out[0]  # [nh, S, hd]
-
-
-def reference_ttt_attention(
-    q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], document_ids: torch.Tensor
-) -> torch.Tensor:
-    """Dense eager reference for tests on tiny rows: builds the full [S, S*(k+1)] mask from `ttt_mask_mod`;
-    grouped key/value heads are repeated to the query heads up front (HF repeat_kv)."""
-    seq_len = q.shape[1]
-    kv_len = seq_len * len(keys)
-    mask = ttt_mask_mod(document_ids)(
-        None, None, torch.arange(seq_len)[:, None], torch.arange(kv_len)[None, :]
-    )  # [S, S*(k+1)]
-    groups = q.shape[0] // keys[0].shape[0]
-    k = _expand_kv(_acc(torch.cat(list(keys), dim=1)), groups)  # [nh, KV, hd]
-    v = _expand_kv(_acc(torch.cat(list(values), dim=1)), groups)
-    scores = torch.matmul(_acc(q), k.transpose(1, 2)) / math.sqrt(q.shape[-1])  # [nh, S, KV]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(probs, v).to(q.dtype)  # [nh, S, hd]

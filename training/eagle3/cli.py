@@ -41,12 +41,8 @@ def cmd_report(argv: list[str]) -> int:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    try:
-        from eagle3.plan import main as plan_main
-    except ImportError as e:
-        print(f"eagle3 plan is not available in this installation ({e}); the memory planner lives in eagle3/plan/",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_CONFIG
+    from eagle3.plan import main as plan_main
+
     return plan_main(argv)
 
 

@@ -40,6 +40,17 @@ STORAGE_KINDS = {
 }
 
 
+# status.json error.kind -> the trainer's exit code with it: every kind there is, in the order the docs list them
+# (tests/test_contracts.py holds every list of them in the docs and the modules to this one).
+ERROR_KINDS = {
+    "config": EXIT_CONFIG,
+    "oom": EXIT_OOM,
+    "hang": EXIT_HANG,
+    **{kind: EXIT_STORAGE for kind in dict.fromkeys(STORAGE_KINDS.values())},
+    "crash": EXIT_CRASH,
+}
+
+
 class ConfigError(Exception):
     """A configuration value is wrong. The message names the key, the value seen and the fix.
 

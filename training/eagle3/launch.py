@@ -32,15 +32,11 @@ import subprocess
 import sys
 import time
 
-from eagle3.errors import EXIT_CONFIG, EXIT_HANG, EXIT_OOM, EXIT_STORAGE, STATUS_FILE_ENV, STORAGE_KINDS
+from eagle3.errors import ERROR_KINDS, EXIT_CRASH, STATUS_FILE_ENV
 
-# The trainer's error kinds that have an exit status of their own (eagle3/errors.py is the one source).
-EXIT_BY_ERROR_KIND = {
-    "config": EXIT_CONFIG,
-    "oom": EXIT_OOM,
-    "hang": EXIT_HANG,
-    **dict.fromkeys(STORAGE_KINDS.values(), EXIT_STORAGE),
-}
+# The trainer's error kinds that have an exit status of their own (eagle3/errors.py is the one source); a crash
+# keeps torchrun's status.
+EXIT_BY_ERROR_KIND = {kind: code for kind, code in ERROR_KINDS.items() if code != EXIT_CRASH}
 TO_WORKERS = (signal.SIGTERM, signal.SIGINT)  # the trainer checkpoints on these; SIGHUP goes to the agent
 # Beside status.json when a stop had to SIGKILL workers; status.yml and cleanup read it (tests/test_contracts.py).
 LAST_STOP_FILE = "last-stop.json"

@@ -1,14 +1,10 @@
-"""The training loop of one rank (eagle3.train starts it): read top to bottom.
+"""The training loop of one rank: read top to bottom. eagle3.train sets the process up (signals, stand-in
+device, process group, watchdog, memory limit) and turns how the loop ended into the exit code.
 
-    setup      config -> stand-in device -> dataset checks (exit 2) -> process group -> memory limit -> model
-               -> resume from the newest valid checkpoint
+    build      dataset checks (bad data: DataError) -> model and target weights -> optimizer -> resume from the
+               newest valid checkpoint
     each step  fetch one packed row per rank (prefetched) -> TTT forward -> backward -> clip -> AdamW -> scheduler
     boundary   one collective: stop flag (+ metrics at log steps) -> log -> validate -> checkpoint -> stop?
-    exit       0 done or stopped cleanly, 2 bad config/data, 3 out of memory, 4 hang (watchdog), 5 a run_dir that
-               refuses writes (full, read-only, no permission; the previous checkpoints intact), 1 anything else
-
-Everything that can be checked without the GPU is checked before CUDA or the process group are touched, so
-bad input exits with code 2 before any GPU memory is taken.
 """
 
 from __future__ import annotations
@@ -594,6 +590,3 @@ class Trainer:
         nodes = node_fields(table.tolist(), self.hosts, wall_s, own["steps"])
         self.files.update_status(**status_fields(record), watchdog_bound_s=bound, nodes=nodes)
         return stop_now
-
-
-# --------------------------------------------------------------------------------------- entry point

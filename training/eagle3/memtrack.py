@@ -136,9 +136,6 @@ class LiveBytesTracker(TorchDispatchMode):
         self.marks[name] = self.live_bytes
         return self.live_bytes
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
-
 
 class SavedTensorsTracker:
     """Unique bytes autograd saves for backward while the context is active.
@@ -190,10 +187,6 @@ class StepMemory:
     peak: int
     after: int
     extra: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def backward_transient(self) -> int:
-        return self.peak - self.forward
 
 
 def measure_train_step(forward: Callable[[], torch.Tensor], backward: bool = True) -> StepMemory:

@@ -275,35 +275,6 @@ class Eagle3Drafter(nn.Module):
         return _linear(self.verifier_lm_head, self.verifier_norm(last_hidden))
 
     @torch.no_grad()
-    def target_token_ids(
-        self, last_hidden: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE, probs: list | None = None
-    ):
-        """Target argmax per slot: (draft-vocab-restricted id in draft space [S], true id in target space [S] or None).
-
-        The true id needs the head rows outside the draft vocab (load_target_weights(keep_full_head=True)).
-        chunk_size 0: the whole row at once. `probs`, a list: the target probabilities and neg-entropies of each
-        chunk (eagle3.loss.target_probs) are appended to it, for the one-pass loss to share over the TTT steps.
-        """
-        restricted, true = [], []
-        full = getattr(self, "_full_head", False)
-        chunk_size = chunk_size or max(last_hidden.shape[0], 1)
-        for a in range(0, last_hidden.shape[0], chunk_size):
-            y = self.verifier_norm(last_hidden[a : a + chunk_size])  # [C, H]
-            logits = _linear(self.verifier_lm_head, y)  # [C, V_draft]
-            best, best_id = logits.max(-1)
-            restricted.append(best_id)
-            if probs is not None:
-                probs.append(target_probs(logits))
-            if not full:
-                continue
-            as_target = best_id + self.d2t[best_id]
-            if self.rest_target_ids.numel():
-                rest_best, rest_id = _linear_rows(self.verifier_lm_head_rest, y).max(-1)  # [C]
-                as_target = torch.where(rest_best > best, self.rest_target_ids[rest_id], as_target)
-            true.append(as_target)
-        return torch.cat(restricted), (torch.cat(true) if full else None)
-
-    @torch.no_grad()
     def target_chunk(self, last_hidden: torch.Tensor):
         """One chunk of target slots [C, H] -> (draft-vocab argmax [C], true target argmax [C] or None,
         (p_t [C, V_draft], neg-entropy [C])): the target logits made once for the argmax and the loss."""

@@ -11,11 +11,11 @@ from eagle3.attention import (
     TTTAttention,
     document_starts,
     exact_ttt_attention,
-    reference_ttt_attention,
     validate_document_ids,
 )
 from eagle3.errors import DataError
 from eagle3.model import ttt_forward
+from reference_attention import reference_ttt_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Three documents of different lengths and a padding tail: block boundaries fall inside documents.

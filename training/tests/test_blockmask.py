@@ -6,10 +6,11 @@ import warnings
 
 import pytest
 import torch
-from eagle3.attention import reference_ttt_attention, ttt_block_mask, ttt_mask_mod
-from eagle3.blockmask import document_block_mask
+from eagle3.attention import ttt_block_mask
+from eagle3.blockmask import document_block_mask, ttt_mask_mod
 from eagle3.memtrack import LiveBytesTracker, storage_nbytes
 from eagle3.plan.model import block_mask_bytes
+from reference_attention import reference_ttt_attention
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 

@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
-from eagle3.attention import TTTAttention, reference_ttt_attention
+from eagle3.attention import TTTAttention
 from eagle3.mla import MLAAttention, MLAShape, rotate, softmax_scale
 from eagle3.model import RMSNorm
 from eagle3.rope import normalize_rope_scaling, rope_cos_sin
+from reference_attention import reference_ttt_attention
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,

@@ -85,7 +85,7 @@ def test_target_weights_land_where_the_teacher_reads_them(make_model, random_tar
     assert torch.equal(ids + model.d2t[ids], torch.nonzero(model.t2d).flatten())
     # The true target argmax (whole vocab) from the kept rows equals a plain argmax over the full head.
     y = torch.randn(50, cfg.hidden_size)
-    _, true_ids = model.target_token_ids(y)
+    _, true_ids, _ = model.target_chunk(y)
     assert torch.equal(true_ids, (model.verifier_norm(y) @ target["lm_head"].T).argmax(-1))
 
 
