@@ -181,7 +181,7 @@ def test_the_training_units_name_has_one_declaration():
 
 
 def test_the_controller_reads_the_trainers_length_block(monkeypatch):
-    from eagle3 import config
+    from eagle3 import bounds, config
 
     role_inputs = _load("plugins/filter/role_inputs.py", "contract_role_inputs")
     constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
@@ -192,12 +192,19 @@ def test_the_controller_reads_the_trainers_length_block(monkeypatch):
         == []
     )
 
-    # The filters follow the trainer's declaration: nothing on the controller side states the block itself.
+    # The filters follow the trainer's declaration: nothing on the controller side states the block or the rule.
     block = config.SEQ_BLOCK * 2
     monkeypatch.setattr(config, "SEQ_BLOCK", block)
+    monkeypatch.setattr(bounds, "SEQ_BLOCK", block)
+    rule = config.Bound(
+        f"multiple of {block}", lambda v: v > 0 and v % block == 0, f"is not a multiple of {block}"
+    )
+    monkeypatch.setattr(config, "SEQ_MULTIPLE", rule)
     assert constants.trainer_constant("config.SEQ_BLOCK") == block
     errors = role_inputs.role_input_errors({"eagle3_train_max_seq_len": str(block * 3 // 2)}, "eagle3_train")
-    assert len(errors) == 1 and f"is not a multiple of {block} (the flex_attention block size)" in errors[0]
+    assert len(errors) == 1 and f"is not a multiple of {block}; try {block} or {block * 2}" in errors[0], (
+        errors
+    )
 
     plan = (ROOT / "roles/eagle3_train/tasks/plan.yml").read_text()
     assert "'eagle3_train__msl_chosen': 'config.SEQ_BLOCK' | trainer_constant" in plan
@@ -249,3 +256,44 @@ def test_every_list_of_error_kinds_in_the_docs_is_complete():
             elif len(named) >= 5 and missing:
                 problems.append(f"{name}: {listed!r} lacks {sorted(missing)}")
     assert not problems, "\n".join(problems)
+
+
+# The run rules, each stated once, in code: the length block (training/eagle3/bounds.py, SEQ_MULTIPLE) and context
+# parallelism against the workers and the row (training/eagle3/options.py, check_context_parallel); the heads rule
+# is DrafterConfig.context_heads (training/eagle3/spec.py). Everything else calls them: the planner, the role's
+# early checks (plugins/filter/role_inputs.py, roles/eagle3_train/filter_plugins/train_inputs.py), plan.yml's
+# messages (which show the planner's words instead of restating the rule).
+RULE_HOMES = {
+    "the length block": (
+        re.compile(r"%\s*(SEQ_BLOCK|128)\b|//\s*(SEQ_BLOCK|128)\b"),
+        {"training/eagle3/bounds.py"},
+    ),
+    "context parallelism against the workers or the row": (
+        re.compile(r"\b(world(_size)?|seq_len|max_seq_len|length|msl)\)?\s*%\s*(cp|c|context_parallel)\b"),
+        {"training/eagle3/options.py"},
+    ),
+    "the heads rule": (
+        re.compile(
+            r"num_heads\s*%|kv_heads\s*%|% *kv\b|divide its num_kv_heads|num_kv_heads or be a multiple"
+        ),
+        {"training/eagle3/spec.py"},
+    ),
+}
+PRODUCT = ("training/eagle3", "plugins", "roles", "library", "module_utils", "playbooks")
+
+
+def test_each_run_rule_is_stated_once():
+    restated = []
+    for folder in PRODUCT:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in (".py", ".yml", ".j2") or not path.is_file():
+                continue
+            name = str(path.relative_to(ROOT))
+            text = path.read_text()
+            for rule, (pattern, homes) in RULE_HOMES.items():
+                if name in homes:
+                    continue
+                for m in pattern.finditer(text):
+                    line = text[: m.start()].count("\n") + 1
+                    restated.append(f"{name}:{line}: {rule} restated ({m.group(0)!r}); call its declaration")
+    assert not restated, "\n".join(restated)

@@ -66,7 +66,7 @@ def run(playbook: str, inventory: Path, *extra: str) -> subprocess.CompletedProc
     [
         (
             "1000",
-            "max_seq_len=1000 is not a multiple of 128 (the flex_attention block size); try 896 or 1024",
+            "max_seq_len=1000 is not a positive multiple of 128 (the flex_attention block size); try 896 or 1024",
         ),
         ("24000", "try 23936 or 24064"),
         ("0", 'max_seq_len=0 is neither a positive multiple of 128 nor "auto"'),
@@ -85,7 +85,7 @@ def test_train_rejects_bad_max_seq_len_before_touching_the_ct(inventory, value, 
 # One bad value for every variable a user can set on train.yml (-e strings, as the command line gives them, and
 # JSON for the structured ones), each with the line that must name the variable, the value and what is allowed.
 BAD_TRAIN_INPUTS = [
-    ("max_seq_len=1000", "max_seq_len=1000 is not a multiple of 128"),
+    ("max_seq_len=1000", "max_seq_len=1000 is not a positive multiple of 128"),
     (
         "context_parallel=2.5",
         "context_parallel=2.5 is not a context-parallel size; allowed: auto (the memory planner picks the smallest",

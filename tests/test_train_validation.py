@@ -118,7 +118,7 @@ BAD = {
     "context_parallel": [("0", "is not a context-parallel size"), ("-1", "is not a context-parallel size"),
                          ("abc", "is not a context-parallel size"), ("2.5", "is not a context-parallel size"),
                          (True, "is not a context-parallel size"), ("", "is not a context-parallel size")],
-    "seq_len": [("1000", "is not a multiple of 128"), ("0", "is neither a positive multiple of 128 nor"),
+    "seq_len": [("1000", "is not a positive multiple of 128"), ("0", "is neither a positive multiple of 128 nor"),
                 ("big", "is neither"), ("-128", "is neither"), ("16384.0", "is neither")],
 }  # fmt: skip
 CASES = [
@@ -240,7 +240,10 @@ def test_max_seq_len_is_reported_under_the_name_the_user_set():
     (error,) = train_input_errors(
         {"eagle3_train_max_seq_len": "24000"}, {"eagle3_train_max_seq_len": "max_seq_len"}
     )
-    assert error.startswith("max_seq_len=24000 is not a multiple of 128") and "try 23936 or 24064" in error
+    assert (
+        error.startswith("max_seq_len=24000 is not a positive multiple of 128")
+        and "try 23936 or 24064" in error
+    )
     (error,) = train_input_errors({"eagle3_train_max_seq_len": "x"})
     assert (
         error.startswith("eagle3_train_max_seq_len=x is neither")
@@ -301,24 +304,24 @@ def test_a_length_that_fits_at_a_larger_context_parallel_is_offered_it():
 
 
 @pytest.mark.parametrize(
-    ("cp", "world", "nnodes", "nproc", "msl"),
-    [("auto", 3, 1, 3, "16384"), ("1", 3, 1, 3, "auto"), (2, 8, 2, 4, "16384"), ("8", 8, 2, 4, "auto"),
-     (6, 12, 3, 4, "auto"), (3, 6, 1, 6, "12288")],
+    ("cp", "world", "nnodes", "msl"),
+    [("auto", 3, 1, "16384"), ("1", 3, 1, "auto"), (2, 8, 2, "16384"), ("8", 8, 2, "auto"), (6, 12, 3, "auto"),
+     (3, 6, 1, "12288")],
 )  # fmt: skip
-def test_a_context_parallel_that_splits_the_workers_runs(cp, world, nnodes, nproc, msl):
-    assert ti.context_parallel_refusal(cp, world, nnodes, nproc, msl) == ""
+def test_a_context_parallel_that_splits_the_workers_runs(cp, world, nnodes, msl):
+    assert ti.context_parallel_refusal(cp, world, nnodes, msl) == ""
 
 
 def test_a_context_parallel_that_does_not_divide_the_workers_is_refused_with_the_divisors():
-    msg = ti.context_parallel_refusal("3", 8, 2, 4, "16384")
+    msg = ti.context_parallel_refusal("3", 8, 2, "16384")
     assert msg.startswith("context_parallel=3 does not divide the 8 workers of the run (2 nodes x 4 workers)")
     assert "allowed: a divisor of 8 (1, 2, 4, 8), or auto." in msg
-    assert "(one node)" in ti.context_parallel_refusal(4, 2, 1, 2)
-    assert "(3 nodes)" in ti.context_parallel_refusal(4, 7, 3, 2)  # nodes of different sizes
+    assert "(one node)" in ti.context_parallel_refusal(4, 2, 1)
+    assert "(3 nodes)" in ti.context_parallel_refusal(4, 7, 3)  # nodes of different sizes
 
 
 def test_a_context_parallel_that_does_not_divide_the_length_is_refused():
-    msg = ti.context_parallel_refusal(3, 6, 1, 6, "16384")
+    msg = ti.context_parallel_refusal(3, 6, 1, "16384")
     assert msg.startswith("context_parallel=3 does not divide max_seq_len=16384")
     assert "a divisor of the run's 6 workers that divides 16384 (1, 2), or auto." in msg
 
@@ -503,7 +506,8 @@ def test_plan_yml_with_context_parallel(planner_target):
     assert rc == 2, out[-3000:]
     assert "max_seq_len=16384, context_parallel=3: the memory planner refuses the run (exit 2)" in out
     out = out.replace("''", "'")  # (YAML's quoting of the message)
-    assert "context_parallel must divide the run's 2 workers" in out and "The service was not touched." in out
+    # the planner's own words (the trainer's rule), not a restatement of it
+    assert "does not divide the 2 workers of the run" in out and "The service was not touched." in out
 
 
 @pytest.mark.slow  # planner_target: a module fixture that runs the planner

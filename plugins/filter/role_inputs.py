@@ -73,27 +73,28 @@ def _check_number(name: str, value, spec: dict) -> str | None:
     return None
 
 
-def seq_len_problem(name: str, value, block: int) -> str | None:
-    """max_seq_len: a positive multiple of the trainer's length block, or auto (the wording molecule's
-    invalid-input case checks).
+def seq_len_problem(name: str, value) -> str | None:
+    """max_seq_len: what the trainer accepts (its config declaration's SEQ_MULTIPLE and wording), or auto.
 
-    >>> seq_len_problem("max_seq_len", "24000", 128)
-    'max_seq_len=24000 is not a multiple of 128 (the flex_attention block size); try 23936 or 24064; allowed: a positive multiple of 128, or auto'
+    >>> seq_len_problem("max_seq_len", "24000")
+    'max_seq_len=24000 is not a positive multiple of 128 (the flex_attention block size); try 23936 or 24064; allowed: a positive multiple of 128, or auto'
+    >>> seq_len_problem("max_seq_len", " Auto "), seq_len_problem("max_seq_len", "16384")
+    (None, None)
     """
+    config = trainer()
     text = str(value).strip().lower()
     if text == "auto":
         return None
     if re.fullmatch(r"[0-9]+", text) and int(text) > 0:
         n = int(text)
-        if n % block == 0:
+        if config.SEQ_MULTIPLE.holds(n):
             return None
-        below = (n // block) * block if n >= block else block
         return (
-            f"{name}={text} is not a multiple of {block} (the flex_attention block size); try {below} "
-            f"or {(n // block + 1) * block}; allowed: a positive multiple of {block}, or auto"
+            f"{name}={text} {config.SEQ_MULTIPLE.says}; {config.suggest_seq_len(n)}; allowed: a positive "
+            f"{config.SEQ_MULTIPLE.label}, or auto"
         )
     return (
-        f'{name}={show(value)} is neither a positive multiple of {block} nor "auto"; try -e {name}=16384 '
+        f'{name}={show(value)} is neither a positive {config.SEQ_MULTIPLE.label} nor "auto"; try -e {name}=16384 '
         f"or -e {name}=auto"
     )
 
@@ -125,7 +126,7 @@ def check(name: str, value, spec: dict) -> str | None:
     if kind == "raw":
         return None
     if kind == "seq_len":
-        return seq_len_problem(name, value, trainer().SEQ_BLOCK)
+        return seq_len_problem(name, value)
     if kind == "context_parallel":
         return context_parallel_problem(name, value)
     if kind == "bool":
@@ -235,9 +236,7 @@ def trainer_config_errors(config: dict, overrides: dict, max_seq_len) -> list[st
     msl = as_int(max_seq_len)
     values = {**config, **overrides, "data_dir": "/data", "run_dir": "/run"}
     values.pop("context_parallel", None)  # the role's own (eagle3_train_context_parallel), refused above
-    values["max_seq_len"] = (
-        msl if msl and msl > 0 and msl % config_module.SEQ_BLOCK == 0 else config_module.SEQ_BLOCK
-    )
+    values["max_seq_len"] = msl if msl and config_module.SEQ_MULTIPLE.holds(msl) else config_module.SEQ_BLOCK
     errors = []
     for key in values:  # one key at a time, so each message names the variable that set it
         if key in ("data_dir", "run_dir", "max_seq_len"):

@@ -4,7 +4,8 @@ The keys are a public contract: the Ansible role `eagle3_train` templates them. 
 overridden as `--max-seq-len 16384` or `--max_seq_len=16384`. Validation happens before any data is
 read or any GPU memory is taken, and every message names the key, the value seen and what to do.
 
-Each key is declared once, below, with its type, default, allowed values or bound and one line of meaning.
+Each key is declared once, below, with its type, default, allowed values or bound (eagle3.bounds) and one line of
+meaning.
 Coercion, validation, the planner's shared options, and (in eagle3.config_help) `eagle3 train --help` and the key
 table in training/README.md are all derived from it.
 """
@@ -21,41 +22,26 @@ from pathlib import Path
 
 import yaml
 
+from eagle3.bounds import (
+    AT_LEAST_1,
+    CHECKPOINT_MODE,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    REQUIRED,
+    SEQ_MULTIPLE,
+    UNIT_CLOSED,
+    UNIT_INTERVAL,
+    Bound,
+    suggest_seq_len,
+)
+from eagle3.bounds import (
+    SEQ_BLOCK as SEQ_BLOCK,  # the length block, where the role reads it (config.SEQ_BLOCK)
+)
 from eagle3.errors import ConfigError
 from eagle3.files import atomic_write_text
 from eagle3.options import PACKINGS, TRACKERS, TTT_STEPS, check_attention, checkpoint_mode
 from eagle3.rope import normalize_rope_scaling
-
-# flex_attention works on 128-token blocks; rows are padded to exactly max_seq_len.
-SEQ_BLOCK = 128
-
-
-@dataclass(frozen=True)
-class Bound:
-    """A value check, shown as `label` in --help and the README; `says` completes "<key>=<value> ..."."""
-
-    label: str
-    holds: Callable[[typing.Any], bool]
-    says: str
-
-
-REQUIRED = Bound("required", bool, "is empty")
-AT_LEAST_1 = Bound(">= 1", lambda v: v >= 1, "must be at least 1")
-NON_NEGATIVE = Bound(">= 0", lambda v: v >= 0, "must be 0 or more")
-POSITIVE = Bound("> 0", lambda v: v > 0, "must be positive")
-UNIT_INTERVAL = Bound("(0, 1]", lambda v: 0 < v <= 1, "must be in (0, 1]")
-FRACTION = Bound("[0, 1)", lambda v: 0 <= v < 1, "must be in [0, 1)")
-UNIT_CLOSED = Bound("[0, 1]", lambda v: 0 <= v <= 1, "must be in [0, 1]")
-CHECKPOINT_MODE = Bound(
-    "false, selective, full (true = full)",
-    lambda v: v in (False, True, "selective", "full"),
-    "is not one of false, selective, full (true means full)",
-)
-SEQ_MULTIPLE = Bound(
-    f"multiple of {SEQ_BLOCK}",
-    lambda v: v > 0 and v % SEQ_BLOCK == 0,
-    f"is not a positive multiple of {SEQ_BLOCK} (flex_attention block size)",
-)
 
 
 def about(
@@ -72,21 +58,6 @@ def about(
 def option(default: object, help: str, **kwargs):
     """One config key with an immutable default (see `about` for the rest)."""
     return field(default=default, metadata=about(help, **kwargs))
-
-
-def suggest_seq_len(value: int) -> str:
-    """Nearest valid lengths for a message.
-
-    >>> suggest_seq_len(24000)
-    'try 23936 or 24064'
-    >>> suggest_seq_len(100)
-    'try 128'
-    """
-    lower = (value // SEQ_BLOCK) * SEQ_BLOCK
-    upper = lower + SEQ_BLOCK
-    if lower <= 0:
-        return f"try {upper}"
-    return f"try {lower} or {upper}"
 
 
 @dataclass

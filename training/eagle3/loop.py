@@ -20,8 +20,9 @@ import torch
 from eagle3 import checkpoint as ckpt
 from eagle3 import distributed as dist_utils
 from eagle3 import options
+from eagle3.bounds import seq_len_for
 from eagle3.checkpointer import Checkpointer
-from eagle3.config import SEQ_BLOCK, TrainConfig
+from eagle3.config import TrainConfig
 from eagle3.context import SINGLE, data_parallel_rank, make_shard
 from eagle3.data import DatasetReader
 from eagle3.errors import (
@@ -157,7 +158,7 @@ class Trainer:
         if cfg.max_seq_len < shortest:
             raise ConfigError(
                 f"max_seq_len={cfg.max_seq_len} is smaller than the shortest document ({shortest} tokens): every "
-                f"sample would be truncated; use at least {math.ceil(shortest / SEQ_BLOCK) * SEQ_BLOCK}"
+                f"sample would be truncated; use at least {seq_len_for(shortest)}"
             )
         if cfg.max_seq_len < cfg.ttt_steps + 2:
             raise ConfigError(

@@ -200,7 +200,7 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
     if cfg.fsdp and world_size < 2:
         notes.append("note: fsdp: true with a single process shards nothing; training unsharded")
     check_layout(cfg.shard_layout, cfg.fsdp, world_size, nodes)
-    check_context_parallel(cfg.context_parallel, world_size, cfg.max_seq_len)
+    check_context_parallel(cfg.context_parallel, world_size, cfg.max_seq_len, nodes)
     if cfg.shard_layout == "hsdp" and cfg.fsdp and nodes == 1 and world_size > 1:
         notes.append(f"note: shard_layout=hsdp on one node shards over all {world_size} ranks, as full does")
     if kind == "cuda" and cfg.dtype == "fp32":
@@ -225,25 +225,43 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
     )
 
 
-def check_context_parallel(cp: int, world_size: int, max_seq_len: int | None = None) -> None:
-    """Refuse a context-parallel size the ranks cannot form: it must divide the world size (groups of cp consecutive
-    ranks share a row) and the row length (each rank holds max_seq_len / cp slots).
+def check_context_parallel(cp: int, world_size: int, max_seq_len: int | None = None, nodes: int = 1) -> None:
+    """Refuse a context-parallel size the workers cannot form: it must divide the workers (groups of cp consecutive
+    workers share a row) and the row length (each holds max_seq_len / cp of its positions). The one statement of the
+    rule: the Ansible role's early check (roles/eagle3_train/filter_plugins/train_inputs.py) calls it too.
+    `nodes`: the torchrun agents (0: they run different numbers of workers), for the message.
 
-    >>> check_context_parallel(3, 8)
+    >>> check_context_parallel(3, 8, nodes=2)
     Traceback (most recent call last):
     ...
-    eagle3.errors.ConfigError: context_parallel=3 does not divide the world size 8: groups of 3 consecutive ranks share one row; use a divisor of 8 (1, 2, 4, 8)
+    eagle3.errors.ConfigError: context_parallel=3 does not divide the 8 workers of the run (2 nodes x 4 workers): each group of 3 consecutive workers shares one row; allowed: a divisor of 8 (1, 2, 4, 8)
+    >>> check_context_parallel(3, 6, 16384)
+    Traceback (most recent call last):
+    ...
+    eagle3.errors.ConfigError: context_parallel=3 does not divide max_seq_len=16384: each of the 3 workers of a row holds max_seq_len / 3 of its positions; allowed: a divisor of the run's 6 workers that divides 16384 (1, 2)
     """
-    if cp < 1 or world_size % cp:
-        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if cp < 1 or cp not in divisors:
+        layout = "one node"
+        if nodes > 1:
+            layout = (
+                f"{nodes} nodes x {world_size // nodes} workers"
+                if world_size % nodes == 0
+                else f"{nodes} nodes"
+            )
+        elif nodes == 0:
+            layout = "nodes of different sizes"
+        workers = f"{world_size} worker{'s' if world_size != 1 else ''}"
         raise ConfigError(
-            f"context_parallel={cp} does not divide the world size {world_size}: groups of {cp} consecutive ranks "
-            f"share one row; use a divisor of {world_size} ({divisors})"
+            f"context_parallel={cp} does not divide the {workers} of the run ({layout}): each group of {cp} "
+            f"consecutive workers shares one row; allowed: a divisor of {world_size} ({', '.join(map(str, divisors))})"
         )
     if max_seq_len and max_seq_len % cp:
+        fitting = ", ".join(str(d) for d in divisors if max_seq_len % d == 0)
         raise ConfigError(
-            f"context_parallel={cp} does not divide max_seq_len={max_seq_len}: each rank holds max_seq_len / "
-            f"context_parallel slots of the row"
+            f"context_parallel={cp} does not divide max_seq_len={max_seq_len}: each of the {cp} workers of a row "
+            f"holds max_seq_len / {cp} of its positions; allowed: a divisor of the run's {world_size} workers that "
+            f"divides {max_seq_len} ({fitting})"
         )
 
 

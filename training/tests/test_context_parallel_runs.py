@@ -134,7 +134,7 @@ def test_a_cp_checkpoint_resumes_at_cp_1_and_the_reverse(runs):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"context_parallel": 3}, "context_parallel=3 does not divide the world size 1"),
+        ({"context_parallel": 3}, "context_parallel=3 does not divide the 1 worker of the run (one node)"),
         ({"context_parallel": 0}, "context_parallel"),
     ],
 )

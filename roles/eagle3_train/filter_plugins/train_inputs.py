@@ -9,6 +9,9 @@ filter here is documented in the .yml file of the same name beside this one (ans
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 
 def seq_len_refusal(plan: dict, requested, memory_source: str = "") -> str:
     """Why an explicit max_seq_len cannot run, from `python -m eagle3 plan --json --lengths N` (empty: it fits).
@@ -65,48 +68,41 @@ def seq_len_refusal(plan: dict, requested, memory_source: str = "") -> str:
     )
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _trainer_options():
+    """The trainer's run options module (training/eagle3/options.py: torch-free), where the rule is stated."""
+    training = str(Path(__file__).resolve().parents[3] / "training")
+    if training not in sys.path:
+        sys.path.insert(0, training)
+    from eagle3 import errors, options
+
+    return options, errors
 
 
-def context_parallel_refusal(cp, world_size, nnodes=1, nproc=None, msl="auto") -> str:
-    """Why a context_parallel cannot split the run's rows (empty: it can, or it is auto, which the planner picks).
+def context_parallel_refusal(cp, world_size, nnodes=1, msl="auto") -> str:
+    """Why a context_parallel cannot split the run's rows (empty: it can, or it is auto, which the planner picks):
+    the trainer's own check (eagle3.options.check_context_parallel: it must divide the run's workers and an explicit
+    max_seq_len), made here before anything changes. Whether the drafter's attention heads split into it is the
+    planner's and the trainer's check: they know the drafter's shape.
 
-    It must divide the run's workers (groups of that many consecutive workers share one row) and an explicit
-    max_seq_len (each worker of a group holds max_seq_len / context_parallel positions). Whether the drafter's
-    attention heads split into it is the planner's and the trainer's check: they know the drafter's shape.
-
-    >>> context_parallel_refusal("auto", 8, 2, 4), context_parallel_refusal("4", "8", "2", "4", "16384")
+    >>> context_parallel_refusal("auto", 8, 2), context_parallel_refusal("4", "8", "2", "16384")
     ('', '')
-    >>> print(context_parallel_refusal("3", 8, 2, 4))  # doctest: +NORMALIZE_WHITESPACE
+    >>> print(context_parallel_refusal("3", 8, 2))  # doctest: +NORMALIZE_WHITESPACE
     context_parallel=3 does not divide the 8 workers of the run (2 nodes x 4 workers): each group of 3
     consecutive workers shares one row; allowed: a divisor of 8 (1, 2, 4, 8), or auto.
-    >>> print(context_parallel_refusal(3, 6, 1, 6, "16384"))  # doctest: +NORMALIZE_WHITESPACE
+    >>> print(context_parallel_refusal(3, 6, 1, "16384"))  # doctest: +NORMALIZE_WHITESPACE
     context_parallel=3 does not divide max_seq_len=16384: each of the 3 workers of a row holds max_seq_len / 3
     of its positions; allowed: a divisor of the run's 6 workers that divides 16384 (1, 2), or auto.
     """
     text = str(cp).strip().lower()
     if text == "auto":
         return ""
-    c, world, nodes = int(text), int(str(world_size).strip()), int(str(nnodes).strip() or 1)
-    if world % c:
-        per = int(str(nproc).strip()) if nproc not in (None, "") else 0
-        layout = "one node"
-        if nodes > 1:
-            layout = f"{nodes} nodes x {per} workers" if per * nodes == world else f"{nodes} nodes"
-        options = ", ".join(map(str, _divisors(world)))
-        return (
-            f"context_parallel={c} does not divide the {world} workers of the run ({layout}): each group of {c} "
-            f"consecutive workers shares one row; allowed: a divisor of {world} ({options}), or auto."
-        )
+    world, nodes = int(str(world_size).strip()), int(str(nnodes).strip() or 1)
     length = str(msl).strip().lower()
-    if length.isdigit() and int(length) % c:
-        options = ", ".join(str(d) for d in _divisors(world) if int(length) % d == 0)
-        return (
-            f"context_parallel={c} does not divide max_seq_len={length}: each of the {c} workers of a row holds "
-            f"max_seq_len / {c} of its positions; allowed: a divisor of the run's {world} workers that divides "
-            f"{length} ({options}), or auto."
-        )
+    options, errors = _trainer_options()
+    try:
+        options.check_context_parallel(int(text), world, int(length) if length.isdigit() else None, nodes)
+    except errors.ConfigError as e:
+        return f"{e}, or auto."
     return ""
 
 

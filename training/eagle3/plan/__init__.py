@@ -13,7 +13,7 @@ runs: it has no options of its own.
 The names below are the planner's public interface (tests, bench/, eagle3.memtrack use them as `plan.X`).
 """
 
-from eagle3.config import SEQ_BLOCK
+from eagle3.bounds import SEQ_BLOCK
 from eagle3.errors import ConfigError
 from eagle3.plan.cli import (
     build_parser,

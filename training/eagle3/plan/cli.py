@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from eagle3.config import SEQ_BLOCK
+from eagle3.bounds import SEQ_BLOCK, SEQ_MULTIPLE, seq_len_for
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
 from eagle3.options import TTT_STEPS
 from eagle3.plan.fit import Plan, budget_bytes, context_parallel_choice, cpu_heap_chunk, make_plan
@@ -71,9 +71,9 @@ def parse_lengths(text: str) -> list[int]:
         raise ConfigError(
             f"--lengths {text!r} is not a comma-separated list of integers, e.g. 8192,16384"
         ) from e
-    bad = [v for v in values if v <= 0 or v % SEQ_BLOCK]
+    bad = [v for v in values if not SEQ_MULTIPLE.holds(v)]
     if bad or not values:
-        raise ConfigError(f"--lengths {text!r}: {bad or 'nothing'} not positive multiples of {SEQ_BLOCK}")
+        raise ConfigError(f"--lengths {text!r}: {bad or 'nothing'} {SEQ_MULTIPLE.says}")
     return values
 
 
@@ -256,7 +256,7 @@ def _asked_length(args, cfg, longest: int | None) -> int | None:
     if cfg is not None:  # a config whose max_seq_len is a number
         return cfg.max_seq_len
     if longest:
-        return -(-longest // SEQ_BLOCK) * SEQ_BLOCK
+        return seq_len_for(longest)
     return None
 
 

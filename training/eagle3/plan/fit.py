@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from eagle3 import options
-from eagle3.config import SEQ_BLOCK  # flex_attention block size; rows are padded to a multiple of it
+from eagle3.bounds import SEQ_BLOCK  # flex_attention block size; rows are padded to a multiple of it
 from eagle3.errors import ConfigError
 from eagle3.plan.model import (
     DEFAULT_LENGTHS,
@@ -254,10 +254,9 @@ def context_parallel_sizes(spec: RunSpec, seq_len: int | None = None) -> list[in
     world = spec.run.world_size
     sizes = []
     for cp in range(1, world + 1):
-        if world % cp or (seq_len and seq_len % cp):
-            continue
         try:
-            spec.drafter.context_heads(cp)
+            options.check_context_parallel(cp, world, seq_len or None)  # the workers and the row split
+            spec.drafter.context_heads(cp)  # the heads split
         except ConfigError:
             continue
         sizes.append(cp)
