@@ -214,7 +214,7 @@ def test_the_controller_reads_the_trainers_length_block(monkeypatch):
 # Where the trainer's error kinds are listed for a reader. A list is a run of at least three kinds, each within a
 # few words of the one before (no sentence ends between them).
 ERROR_KIND_DOCS = (
-    "README.md",
+    "docs/operations.md",
     "docs/contracts.md",
     "training/README.md",
     "training/eagle3/errors.py",
