@@ -79,9 +79,12 @@ def test_every_variable_of_every_role_has_a_grammar(role):
     defaults = set(yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text()) or {})
     table = set(ri.ROLE_VARIABLES[role])
     assert declared <= table, (
-        f"{role}: no grammar for {sorted(declared - table)} (plugins/filter/role_inputs.py)"
+        f"{role}: no grammar for {sorted(declared - table)} (plugins/filter/role_variables.py)"
     )
     assert defaults - {n for n in defaults if "__" in n} <= table, f"{role}: {sorted(defaults - table)}"
+    # and the other way: a grammar entry is a variable the role declares and defaults (nothing stale in the table)
+    assert table <= declared, f"{role}: {sorted(table - declared)} not in meta/argument_specs.yml"
+    assert table <= defaults, f"{role}: {sorted(table - defaults)} without a default in defaults/main.yml"
     assert not set(ri.ROLE_FACTS.get(role, ())) & table, "a variable the role sets itself is not an input"
 
 
