@@ -54,9 +54,7 @@ def start_job(tmp: Path, n: int, ignore_term: bool, run: int) -> tuple[subproces
     if ignore_term:
         args.append("--ignore-term")
     env = dict(os.environ, **{MARKER[0]: MARKER[1]})
-    popen = subprocess.Popen(
-        [*args, "--pidfile", str(pidfile), "--ready", str(ready)], env=env, start_new_session=True
-    )
+    popen = subprocess.Popen([*args, "--pidfile", str(pidfile), "--ready", str(ready)], env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     while not ready.exists():
         if time.monotonic() > deadline or popen.poll() not in (None, 0):
@@ -82,9 +80,7 @@ def reap(popen: subprocess.Popen, pidfile: Path) -> None:
             pass
 
 
-def release_times(
-    module, tmp: Path, n: int, ignore_term: bool, runs: int, term_timeout: float
-) -> list[float]:
+def release_times(module, tmp: Path, n: int, ignore_term: bool, runs: int, term_timeout: float) -> list[float]:
     params = {
         "unit": None,
         "marker": "=".join(MARKER),
@@ -194,16 +190,10 @@ def main() -> int:
 
     import ctypes
 
-    ctypes.CDLL(None).prctl(
-        36, 1, 0, 0, 0
-    )  # PR_SET_CHILD_SUBREAPER: orphaned workers come back to us to reap
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphaned workers come back to us to reap
     module = load_cleanup_module()
-    print(
-        f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}"
-    )
-    print(
-        f"# python {platform.python_version()}, runs per cell: {args.runs}, term_timeout {args.term_timeout:g} s"
-    )
+    print(f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}")
+    print(f"# python {platform.python_version()}, runs per cell: {args.runs}, term_timeout {args.term_timeout:g} s")
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmpdir:
         tmp = Path(tmpdir)
         (tmp / "dev").mkdir()
@@ -219,9 +209,7 @@ def main() -> int:
             print("\nno-op cleanup through `ansible -c local` (localhost):")
             print(f"  ansible-playbook cleanup.yml : {fmt(ours)}  rc={sorted(rc_ours)}")
             print(f"  one-liner (ansible -m shell) : {fmt(theirs)}  rc={sorted(rc_theirs)}")
-            print(
-                f"  ratio ours/one-liner         : {statistics.median(ours) / statistics.median(theirs):.2f}"
-            )
+            print(f"  ratio ours/one-liner         : {statistics.median(ours) / statistics.median(theirs):.2f}")
     return 0
 
 

@@ -37,15 +37,11 @@ LENGTHS = (32768, 65536, 131072, 262144, 524288)
 
 
 def part_a() -> None:
-    print(
-        "(a) planner: Kimi-K2.5 shapes, ttt_steps 5, 8 x 96 GiB, activation checkpointing + fsdp, flex (CUDA)"
-    )
+    print("(a) planner: Kimi-K2.5 shapes, ttt_steps 5, 8 x 96 GiB, activation checkpointing + fsdp, flex (CUDA)")
     budget = P.budget_bytes(96, 0.1)
     header = "".join(f"{s:>9}" for s in LENGTHS)
     for name in ("kimi-k2.5", "kimi-k2.5-mla"):
-        print(
-            f"    {name}: predicted GiB per GPU at max_seq_len, and the largest that fits {budget / GIB:.1f} GiB"
-        )
+        print(f"    {name}: predicted GiB per GPU at max_seq_len, and the largest that fits {budget / GIB:.1f} GiB")
         print(f"    {'cp':>4}{header}{'largest':>10}")
         for cp in (1, 2, 4, 8):
             spec = P.on_cuda(P.SHAPES[name], 8, activation_checkpointing=True, fsdp=True, context_parallel=cp)
@@ -57,8 +53,16 @@ def part_a() -> None:
 
 
 def measure_spec(shape: str, cp: int) -> P.RunSpec:
-    spec = P.spec_for(P.SHAPES[shape], world_size=cp, device="cpu", attention="exact", loss_chunk_size=512,
-                      activation_checkpointing="full", ttt_steps=5, context_parallel=cp)  # fmt: skip
+    spec = P.spec_for(
+        P.SHAPES[shape],
+        world_size=cp,
+        device="cpu",
+        attention="exact",
+        loss_chunk_size=512,
+        activation_checkpointing="full",
+        ttt_steps=5,
+        context_parallel=cp,
+    )
     return dataclasses.replace(spec, reserve_gib=0.0, allocator_factor=1.0)
 
 
@@ -76,25 +80,19 @@ def worker(rank: int, cp: int, shape: str, seq_len: int, store: str, out: str) -
     started = time.perf_counter()
     step = measure_planned_step(measure_spec(shape, cp), seq_len, shard)
     seconds = time.perf_counter() - started  # the warm-up step and the measured one
-    Path(out, f"rank{rank}.json").write_text(
-        json.dumps({"forward": step.forward, "peak": step.peak, "s": seconds})
-    )
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"forward": step.forward, "peak": step.peak, "s": seconds}))
     if cp > 1:
         dist.barrier()
         dist.destroy_process_group()
 
 
 def part_b(shape: str, seq_len: int) -> None:
-    print(
-        f"\n(b) measured on this CPU: {shape}, max_seq_len {seq_len}, ttt_steps 5, fp32, exact, full checkpointing"
-    )
-    print(
-        f"    {'cp':>3} {'rank':>4} {'held MiB':>9} {'planned':>8} {'peak MiB':>9} {'planned':>8} {'peak err':>9}"
-    )
+    print(f"\n(b) measured on this CPU: {shape}, max_seq_len {seq_len}, ttt_steps 5, fp32, exact, full checkpointing")
+    print(f"    {'cp':>3} {'rank':>4} {'held MiB':>9} {'planned':>8} {'peak MiB':>9} {'planned':>8} {'peak err':>9}")
     for cp in (1, 2, 4):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, __file__, "--worker", "--cp", str(cp), "--shape", shape, "--seq-len", str(seq_len),
-                   "--store", f"{tmp}/store", "--out", tmp]  # fmt: skip
+            cmd = [sys.executable, __file__, "--worker", "--cp", str(cp), "--shape", shape, "--seq-len", str(seq_len)]
+            cmd += ["--store", f"{tmp}/store", "--out", tmp]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in range(cp)]
             for p in procs:
@@ -106,8 +104,10 @@ def part_b(shape: str, seq_len: int) -> None:
             held, peak = P.activation_bytes(spec, seq_len), P.dynamic_bytes(spec, seq_len)
             for r in range(cp):
                 m = json.loads(Path(tmp, f"rank{r}.json").read_text())
-                print(f"    {cp:>3} {r:>4} {m['forward'] / 2**20:9.1f} {held / 2**20:8.1f} {m['peak'] / 2**20:9.1f} "
-                      f"{peak / 2**20:8.1f} {peak / m['peak'] - 1:+9.1%}" + (f"   {m['s']:.1f} s" if r == 0 else ""))  # fmt: skip
+                print(
+                    f"    {cp:>3} {r:>4} {m['forward'] / 2**20:9.1f} {held / 2**20:8.1f} {m['peak'] / 2**20:9.1f} "
+                    f"{peak / 2**20:8.1f} {peak / m['peak'] - 1:+9.1%}" + (f"   {m['s']:.1f} s" if r == 0 else "")
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

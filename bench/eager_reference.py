@@ -72,9 +72,7 @@ def reference_step(model, batch: dict, ttt_steps: int, gamma: float = 1.0):
         hidden = residual + attn.transpose(0, 1).reshape(s, nh * hd) @ at.o_proj.weight.T
         m = layer.mlp
         h2 = _rms(hidden, layer.post_attention_layernorm.weight, eps)
-        hidden = (
-            hidden + (F.silu(h2 @ m.gate_proj.weight.T) * (h2 @ m.up_proj.weight.T)) @ m.down_proj.weight.T
-        )
+        hidden = hidden + (F.silu(h2 @ m.gate_proj.weight.T) * (h2 @ m.up_proj.weight.T)) @ m.down_proj.weight.T
         # loss over slots 0..n-1 against the target at slot j+1+step, within the document
         n = s - 1 - step
         valid = (doc[:n] >= 0) & (doc[:n] == doc[1 + step :])

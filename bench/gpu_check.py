@@ -272,9 +272,7 @@ def section_flex(device: torch.device, dry_run: bool) -> dict:
         report |= {"flex_first_s": round(fl["first_s"], 2), "flex_fwd_bwd_s": round(fl["s"], 4)}
         report["exact_fwd_bwd_s"] = round(ex["s"], 4)
     tolerance = 1e-4 if dry_run else 5e-2
-    report["ok"] = (
-        report["max_abs_diff_out"] <= tolerance and report.get("max_abs_diff_grad", 0.0) <= tolerance * 4
-    )
+    report["ok"] = report["max_abs_diff_out"] <= tolerance and report.get("max_abs_diff_grad", 0.0) <= tolerance * 4
     return report
 
 
@@ -318,14 +316,9 @@ def run_steps(spec: P.RunSpec, seq_len: int, device: torch.device, steps: int = 
             return before, torch.cuda.max_memory_allocated(), seconds, torch.cuda.max_memory_reserved()
         static = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         static += sum(
-            v.numel() * v.element_size()
-            for s in optimizer.state.values()
-            for v in s.values()
-            if torch.is_tensor(v)
+            v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
         )
-        static += sum(
-            t.numel() * t.element_size() for t in batch.values()
-        )  # gradients: in the tracker's peak
+        static += sum(t.numel() * t.element_size() for t in batch.values())  # gradients: in the tracker's peak
         return static, static + tracker.peak_bytes, seconds, None
     finally:
         del model, optimizer, batch
@@ -559,9 +552,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 result = section_context(args.dry_run)
             else:
-                raise ValueError(
-                    f"unknown section {name!r}; choose from cleanup, flex, sweep, probe, context"
-                )
+                raise ValueError(f"unknown section {name!r}; choose from cleanup, flex, sweep, probe, context")
         except Exception as e:  # a failed section is a figure too; the next one still runs
             result = {
                 "ok": False,
@@ -572,11 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.get("ok") is False:
             failed.append(name)
         report.section(name, result)
-        summary = {
-            k: v
-            for k, v in result.items()
-            if k in ("ok", "skipped", "exception", "section_s", "max_abs_error")
-        }
+        summary = {k: v for k, v in result.items() if k in ("ok", "skipped", "exception", "section_s", "max_abs_error")}
         print(f"   {summary}", flush=True)
     if device.type == "cuda":
         report.data["environment"] = environment(device)

@@ -33,12 +33,17 @@ def context_spec(dry_run: bool, cp: int) -> P.RunSpec:
     """The trainer's CUDA recipe with full activation checkpointing at context_parallel `cp` (a dry run: exact
     attention on CPU, a tiny drafter, loss chunks of 256)."""
     if dry_run:
-        spec = P.spec_for(DRY_SHAPE, cp, device="cpu", attention="exact", loss_chunk_size=256,
-                          activation_checkpointing="full", context_parallel=cp)  # fmt: skip
+        spec = P.spec_for(
+            DRY_SHAPE,
+            cp,
+            device="cpu",
+            attention="exact",
+            loss_chunk_size=256,
+            activation_checkpointing="full",
+            context_parallel=cp,
+        )
         return dataclasses.replace(spec, reserve_gib=0.0)
-    spec = P.on_cuda(
-        P.SHAPES["kimi-k2.5"], world_size=cp, activation_checkpointing="full", context_parallel=cp
-    )
+    spec = P.on_cuda(P.SHAPES["kimi-k2.5"], world_size=cp, activation_checkpointing="full", context_parallel=cp)
     return dataclasses.replace(spec, reserve_gib=1.0)
 
 
@@ -90,8 +95,20 @@ def worker(rank: int, cp: int, seq_len: int, dry_run: bool, store: str, out: str
 def run_ranks(cp: int, seq_len: int, dry_run: bool, timeout_s: float) -> list[dict]:
     """Start cp worker processes, wait for each by PID (killing the rest past the bound), return their figures."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, __file__, "--worker", "--cp", str(cp), "--seq-len", str(seq_len),
-               "--store", f"{tmp}/store", "--out", tmp, *(["--dry-run"] if dry_run else [])]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--cp",
+            str(cp),
+            "--seq-len",
+            str(seq_len),
+            "--store",
+            f"{tmp}/store",
+            "--out",
+            tmp,
+            *(["--dry-run"] if dry_run else []),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env) for r in range(cp)]
         deadline = time.monotonic() + timeout_s
@@ -118,22 +135,28 @@ def section_context(dry_run: bool, budget_s: float = 150.0) -> dict:
         spec = context_spec(dry_run, cp)
         plan = P.make_plan(spec, memory_gb=memory_gb, margin=0.1)
         seq_len = 512 if dry_run else min(plan.max_seq_len, MAX_LEN)
-        row = {"context_parallel": cp, "largest_planned": plan.max_seq_len, "max_seq_len": seq_len,
-               "predicted_gib": round(predicted_bytes(spec, seq_len) / P.GIB, 2)}  # fmt: skip
+        row = {
+            "context_parallel": cp,
+            "largest_planned": plan.max_seq_len,
+            "max_seq_len": seq_len,
+            "predicted_gib": round(predicted_bytes(spec, seq_len) / P.GIB, 2),
+        }
         try:
             ranks = run_ranks(cp, seq_len, dry_run, budget_s)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             rows.append(row | {"failed": str(e)})
             continue
         peak = max(r["peak"] for r in ranks)
-        row |= {"measured_peak_gib": round(peak / P.GIB, 2), "step_s": round(ranks[0]["step_s"], 2),
-                "tokens_per_s": round(seq_len / ranks[0]["step_s"], 1)}  # fmt: skip
+        row |= {
+            "measured_peak_gib": round(peak / P.GIB, 2),
+            "step_s": round(ranks[0]["step_s"], 2),
+            "tokens_per_s": round(seq_len / ranks[0]["step_s"], 1),
+        }
         if peak:
             row["error"] = round(predicted_bytes(spec, seq_len) / peak - 1, 3)
         rows.append(row)
         print(f"  context_parallel {cp}: {row}", flush=True)
-    return {"gpus": gpus, "memory_gb": round(memory_gb, 2), "rows": rows,
-            "ok": all("failed" not in r for r in rows)}  # fmt: skip
+    return {"gpus": gpus, "memory_gb": round(memory_gb, 2), "rows": rows, "ok": all("failed" not in r for r in rows)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,18 +89,21 @@ def write_dataset(root: Path, hidden: int, tokens: int, doc_len: int, shard_toke
         off = int(torch.randint(0, 4096, (1,), generator=g))
         states = pool[off : off + n * 4 * hidden].view(n, 4 * hidden)
         mask = torch.arange(n) >= n // 4  # a prompt, then a supervised response
-        writer.add(
-            torch.randint(0, 256, (n,), generator=g), mask, states[:, : 3 * hidden], states[:, 3 * hidden :]
-        )
+        writer.add(torch.randint(0, 256, (n,), generator=g), mask, states[:, : 3 * hidden], states[:, 3 * hidden :])
         written += n
     d2t = torch.zeros(128, dtype=torch.long)
     t2d = torch.zeros(256, dtype=torch.bool)
     t2d[:128] = True
     writer.finish(
-        target_vocab_size=256, draft_vocab_size=128, aux_layer_ids=(2, 8, 13), t2d=t2d, d2t=d2t,
-        embed=torch.zeros(256, hidden, dtype=torch.bfloat16), final_norm=torch.ones(hidden, dtype=torch.bfloat16),
+        target_vocab_size=256,
+        draft_vocab_size=128,
+        aux_layer_ids=(2, 8, 13),
+        t2d=t2d,
+        d2t=d2t,
+        embed=torch.zeros(256, hidden, dtype=torch.bfloat16),
+        final_norm=torch.ones(hidden, dtype=torch.bfloat16),
         lm_head=torch.zeros(256, hidden, dtype=torch.bfloat16),
-    )  # fmt: skip
+    )
 
 
 def rows_of(reader, seq_len: int) -> list[list[int]]:
@@ -226,7 +229,7 @@ def measure_loaders(sets: dict, args, pin: bool) -> dict:
                 "disk": lambda shards=shards, per_token=per_token: sequential_read(shards) / per_token,
                 "old_cold": lambda kw=kw, reader=reader, rows=rows: load_rate(reader, rows, cold=True, new=False, **kw),
                 "new_cold": lambda kw=kw, reader=reader, rows=rows: load_rate(reader, rows, cold=True, new=True, **kw),
-            }  # fmt: skip
+            }
             # The order rotates per repeat: a cache below the guest's (the host's, under a virtual disk)
             # favours whichever cold read follows another one; rotating spreads that over all three.
             names = list(cold)
@@ -256,10 +259,12 @@ def simulate_prefetch(kimi_set, sims, args, device) -> tuple[list, dict, dict]:
 
 
 def print_loader_table(table, args, pin: bool) -> None:
-    print(f"datasets: random bf16 states, documents of {args.doc_len} tokens on average, shards of "
-          f"{args.shard_tokens} tokens; loader rows of {args.seq_len}; {args.repeats} interleaved repeats, "
-          f"median (min..max); page cache dropped with posix_fadvise (the guest's cache: a host cache under a "
-          f"virtual disk may still serve 'cold' reads)")  # fmt: skip
+    print(
+        f"datasets: random bf16 states, documents of {args.doc_len} tokens on average, shards of "
+        f"{args.shard_tokens} tokens; loader rows of {args.seq_len}; {args.repeats} interleaved repeats, "
+        f"median (min..max); page cache dropped with posix_fadvise (the guest's cache: a host cache under a "
+        f"virtual disk may still serve 'cold' reads)"
+    )
     print(f"{'hidden':>6} {'KiB/token':>9}  {'measurement':<44} {'tokens/s':>28} {'MiB/s':>22}")
     labels = {
         "disk": "disk sequential read, cold (physical limit)",
@@ -271,13 +276,17 @@ def print_loader_table(table, args, pin: bool) -> None:
     for hidden, per_token, r in table:
         for key, label in labels.items():
             mib = [v * per_token / 2**20 for v in r[key]]
-            print(f"{hidden:>6} {per_token / 1024:>9.1f}  {label + (' + pin' if pin and 'loader' in label else ''):<44} "
-                  f"{mm(r[key]):>28} {mm(mib):>22}")  # fmt: skip
+            print(
+                f"{hidden:>6} {per_token / 1024:>9.1f}  {label + (' + pin' if pin and 'loader' in label else ''):<44} "
+                f"{mm(r[key]):>28} {mm(mib):>22}"
+            )
         med = statistics.median(r["new_cold"]) / statistics.median(r["disk"])
         best = max(r["new_cold"]) / max(r["disk"])
         old = statistics.median(r["old_cold"]) / statistics.median(r["disk"])
-        print(f"{'':>6} {'':>9}  read_row cold / disk: {med:.0%} of medians, {best:.0%} of bests (the old loader "
-              f"{old:.0%} of medians); read_row warm / cold: {statistics.median(r['new_warm']) / statistics.median(r['new_cold']):.1f} x")  # fmt: skip
+        print(
+            f"{'':>6} {'':>9}  read_row cold / disk: {med:.0%} of medians, {best:.0%} of bests (the old loader "
+            f"{old:.0%} of medians); read_row warm / cold: {statistics.median(r['new_warm']) / statistics.median(r['new_cold']):.1f} x"
+        )
 
 
 def main() -> int:
@@ -288,9 +297,7 @@ def main() -> int:
     from eagle3.flops import datasheet_peak, step_flops
 
     kimi = plan.SHAPES["kimi-k2.5"]
-    flops = step_flops(
-        kimi, KIMI_ROW, KIMI_TTT, loss_chunk_size=4096, activation_checkpointing=True, doc_len=2048
-    )
+    flops = step_flops(kimi, KIMI_ROW, KIMI_TTT, loss_chunk_size=4096, activation_checkpointing=True, doc_len=2048)
     peak = datasheet_peak("H200", "bf16")
     step_s = flops["total"] / (args.mfu * peak)
     need_tps = KIMI_ROW / step_s
@@ -318,8 +325,9 @@ def main() -> int:
         f"for 8 GPUs on a node)"
     )
     kimi_disk = statistics.median(table[-1][2]["disk"])
-    print(f"this disk, cold: {kimi_disk * kimi_per_token / 2**20:.0f} MiB/s = {kimi_disk / need_tps:.1f} x one "
-          f"GPU's need")  # fmt: skip
+    print(
+        f"this disk, cold: {kimi_disk * kimi_per_token / 2**20:.0f} MiB/s = {kimi_disk / need_tps:.1f} x one GPU's need"
+    )
     print(
         f"RowPrefetcher feeding a simulated step on the hidden-{kimi.hidden_size} files, cold: rows of "
         f"{args.row_tokens} tokens ({len(sim_rows)} per run, step 1 left out), step time scaled by "
@@ -329,13 +337,17 @@ def main() -> int:
         name, tps, depth = sim
         step = args.row_tokens / tps
         s = shares[sim]
-        print(f"  consumer at {name:<26} {tps:6.0f} tokens/s = {tps * kimi_per_token / 2**20:5.0f} MiB/s, step "
-              f"{step:.3f} s, depth {depth}: fetch share min {min(s):.2%} median {statistics.median(s):.2%}; "
-              f"worst single fetch {statistics.median(worst[sim]):.0%} of a step (median of runs)")  # fmt: skip
+        print(
+            f"  consumer at {name:<26} {tps:6.0f} tokens/s = {tps * kimi_per_token / 2**20:5.0f} MiB/s, step "
+            f"{step:.3f} s, depth {depth}: fetch share min {min(s):.2%} median {statistics.median(s):.2%}; "
+            f"worst single fetch {statistics.median(worst[sim]):.0%} of a step (median of runs)"
+        )
     if not pin:
         h2d = ", ".join(f"{need_tps * kimi_per_token / (g * 1e9):.1%} at {g:.0f} GB/s" for g in args.h2d_gbs)
-        print(f"  no GPU here: the step's pinned copy to the GPU (part of the trainer's fetch time: to_device + "
-              f"sync) would add, at the Kimi rate, {h2d} host-to-device (assumed; --h2d-gbs)")  # fmt: skip
+        print(
+            f"  no GPU here: the step's pinned copy to the GPU (part of the trainer's fetch time: to_device + "
+            f"sync) would add, at the Kimi rate, {h2d} host-to-device (assumed; --h2d-gbs)"
+        )
     return 0
 
 

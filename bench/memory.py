@@ -50,9 +50,7 @@ def option_sets(shape, ttt_steps: int) -> dict[str, P.RunSpec]:
     return {
         "fp32 (CPU default)": planned(shape, "cpu", **t),
         "bf16 autocast (CUDA recipe)": planned(shape, "cuda", on_cpu=True, **t),
-        "bf16 + activation checkpointing": planned(
-            shape, "cuda", on_cpu=True, activation_checkpointing=True, **t
-        ),
+        "bf16 + activation checkpointing": planned(shape, "cuda", on_cpu=True, activation_checkpointing=True, **t),
         "bf16 + small loss chunks (512)": planned(shape, "cuda", on_cpu=True, loss_chunk_size=512, **t),
     }
 
@@ -89,9 +87,7 @@ def part_a(seq_len: int, ttt_steps: int) -> None:
         )
     fsdp = P.static_bytes(planned(shape, "cuda", 8, fsdp=True)) / P.GIB
     ddp = P.static_bytes(planned(shape, "cuda", 8)) / P.GIB
-    print(
-        f"    static per rank, 8 ranks: DDP {ddp:.2f} GiB, FSDP2 {fsdp:.2f} GiB (planner only: needs 8 ranks)"
-    )
+    print(f"    static per rank, 8 ranks: DDP {ddp:.2f} GiB, FSDP2 {fsdp:.2f} GiB (planner only: needs 8 ranks)")
 
 
 def part_b() -> None:
@@ -106,18 +102,12 @@ def part_b() -> None:
     print(
         "\n(b) Kimi shape, ttt_steps 5, 8 ranks x 96 GiB (budget 86.4 GiB with a 10 % margin): predicted GiB per rank"
     )
-    print(
-        f"    {'options':30} "
-        + " ".join(f"{s:>8}" for s in lengths)
-        + f" {'static':>8} {'largest fitting':>16}"
-    )
+    print(f"    {'options':30} " + " ".join(f"{s:>8}" for s in lengths) + f" {'static':>8} {'largest fitting':>16}")
     for name, opts in sets.items():
         peaks = [P.predict_peak_bytes(opts, s) / P.GIB for s in lengths]
         plan = P.make_plan(opts, memory_gb=96, margin=0.1, lengths=lengths)
         print(
-            f"    {name:30} "
-            + " ".join(f"{p:8.1f}" for p in peaks)
-            + f" {plan.static_gb:8.1f} {plan.max_seq_len:>16}"
+            f"    {name:30} " + " ".join(f"{p:8.1f}" for p in peaks) + f" {plan.static_gb:8.1f} {plan.max_seq_len:>16}"
         )
     on = sets["checkpointing + fsdp"]
     print("\n    where the bytes go at 32768, checkpointing + fsdp (GiB):")
@@ -132,8 +122,12 @@ def part_c() -> None:
     print(
         f"    {'options':22} {'shape':15} {'held KiB/token':>15} {'per TTT step':>13} {'largest @96':>12} {'@141':>8}"
     )
-    sets = {"none": {}, "checkpointing": {"activation_checkpointing": True}, "fsdp": {"fsdp": True},
-            "checkpointing + fsdp": {"activation_checkpointing": True, "fsdp": True}}  # fmt: skip
+    sets = {
+        "none": {},
+        "checkpointing": {"activation_checkpointing": True},
+        "fsdp": {"fsdp": True},
+        "checkpointing + fsdp": {"activation_checkpointing": True, "fsdp": True},
+    }
     for label, keys in sets.items():
         for name in ("kimi-k2.5", "kimi-k2.5-mla"):
             spec = P.on_cuda(P.SHAPES[name], 8, **keys)

@@ -56,8 +56,10 @@ def main() -> int:
         ap.error("--samples must be at least 1")
     lengths = [int(v) for v in args.lengths.split(",")]
     worlds = [int(v) for v in args.world_sizes.split(",")]
-    print(f"{'distribution':<22} {'ranks':>5} {'max_seq_len':>11} "
-          + " ".join(f"{p + ' fill':>14} {'steps':>6} {'late':>5} {'plan s':>6}" for p in PACKINGS))  # fmt: skip
+    print(
+        f"{'distribution':<22} {'ranks':>5} {'max_seq_len':>11} "
+        + " ".join(f"{p + ' fill':>14} {'steps':>6} {'late':>5} {'plan s':>6}" for p in PACKINGS)
+    )
     for name, lens in distributions(args.samples).items():
         ids = list(range(len(lens)))
         mean = sum(lens) / len(lens)
@@ -67,13 +69,9 @@ def main() -> int:
                 cells = []
                 for packing in PACKINGS:
                     t0 = time.perf_counter()
-                    plan = plan_epoch(
-                        ids, lens, max_seq_len=s, world_size=world, seed=1, epoch=0, packing=packing
-                    )
+                    plan = plan_epoch(ids, lens, max_seq_len=s, world_size=world, seed=1, epoch=0, packing=packing)
                     took = time.perf_counter() - t0
-                    cells.append(
-                        f"{plan.fill:>14.1%} {len(plan):>6} {most_steps_late(plan, ids, 1):>5} {took:>6.2f}"
-                    )
+                    cells.append(f"{plan.fill:>14.1%} {len(plan):>6} {most_steps_late(plan, ids, 1):>5} {took:>6.2f}")
                 print(f"{'':<22} {world:>5} {s:>11} " + " ".join(cells), flush=True)
     return 0
 

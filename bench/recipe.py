@@ -64,8 +64,18 @@ def datasets(work: Path, target: Path, conversations: int, quiet: dict) -> tuple
         folder = work / f"data-{name}"
         if not (folder / "index.json").exists():
             started = time.monotonic()
-            generate(target, train, folder, max_len=1024, draft_vocab=512, dtype="bfloat16", shard_samples=64,
-                     regenerate_responses=regen, regenerate_max_new=192, **quiet)  # fmt: skip
+            generate(
+                target,
+                train,
+                folder,
+                max_len=1024,
+                draft_vocab=512,
+                dtype="bfloat16",
+                shard_samples=64,
+                regenerate_responses=regen,
+                regenerate_max_new=192,
+                **quiet,
+            )
             print(f"data {name}: generated in {time.monotonic() - started:.0f} s", flush=True)
         out[name] = folder
     return out, held
@@ -73,13 +83,22 @@ def datasets(work: Path, target: Path, conversations: int, quiet: dict) -> tuple
 
 def train(run: Path, data: Path, steps: int, seed: int, flags: list[str]) -> float:
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "eagle3", "train", "--data_dir", str(data), "--run_dir", str(run),
-         "--max_seq_len", "2048", "--max_steps", str(steps), "--warmup_steps", "20", "--lr", "3e-3",
-         "--ttt_steps", "3", "--checkpoint_every", str(steps), "--val_every", str(steps), "--seed", str(seed),
-         "--device", "cpu", "--dtype", "fp32", *flags],
-        cwd=ROOT / "training", capture_output=True, text=True,
-    )  # fmt: skip
+    recipe = {
+        "data_dir": data,
+        "run_dir": run,
+        "max_seq_len": 2048,
+        "max_steps": steps,
+        "warmup_steps": 20,
+        "lr": "3e-3",
+        "ttt_steps": 3,
+        "checkpoint_every": steps,
+        "val_every": steps,
+        "seed": seed,
+        "device": "cpu",
+        "dtype": "fp32",
+    }
+    argv = [sys.executable, "-m", "eagle3", "train", *(x for k, v in recipe.items() for x in (f"--{k}", str(v)))]
+    proc = subprocess.run([*argv, *flags], cwd=ROOT / "training", capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{run.name}: training failed\n{proc.stderr[-3000:]}")
     return time.monotonic() - started
@@ -89,9 +108,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated names of the table's rows"
-    )
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of the table's rows")
     ap.add_argument("--conversations", type=int, default=240)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-new", type=int, default=48)
@@ -118,20 +135,34 @@ def main() -> int:
                 result = json.loads(result_file.read_text())
             else:
                 seconds = train(run, data[dataset], args.steps, seed, flags)
-                result = evaluate(target, run, held, k=3, max_new=args.max_new, prompts=args.prompts,
-                                  baseline=False, checkpoint="latest", **quiet)  # fmt: skip
+                result = evaluate(
+                    target,
+                    run,
+                    held,
+                    k=3,
+                    max_new=args.max_new,
+                    prompts=args.prompts,
+                    baseline=False,
+                    checkpoint="latest",
+                    **quiet,
+                )
                 result["train_seconds"] = seconds
                 result_file.write_text(json.dumps(result))
             per = [(p["tokens"] - 1, p["rounds"]) for p in result["per_prompt"]]
             pooled += per
             taus.append(result["tau_real"])
             ci = result.get("tau_real_ci95") or [float("nan")] * 2
-            print(f"{name} seed {seed}: tau_real {result['tau_real']:.3f} (95 % CI {ci[0]:.3f}-{ci[1]:.3f}), "
-                  f"exact {result['exact']}, trained in {result['train_seconds']:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"{name} seed {seed}: tau_real {result['tau_real']:.3f} (95 % CI {ci[0]:.3f}-{ci[1]:.3f}), "
+                f"exact {result['exact']}, trained in {result['train_seconds']:.0f} s",
+                flush=True,
+            )
         tokens, rounds = sum(t for t, _ in pooled), sum(r for _, r in pooled)
         rows.append((name, taus, tau_of(tokens, 0, rounds), bootstrap_ci(pooled)))
-    print(f"\nrecipe on the tiny target: {args.steps} steps, seeds {args.seeds}, {args.prompts} held-out prompts x "
-          f"{args.max_new} tokens, K = 3 (exact greedy speculative decoding)")  # fmt: skip
+    print(
+        f"\nrecipe on the tiny target: {args.steps} steps, seeds {args.seeds}, {args.prompts} held-out prompts x "
+        f"{args.max_new} tokens, K = 3 (exact greedy speculative decoding)"
+    )
     print(f"{'variant':<22} {'tau_real per seed':<22} {'pooled':>7} {'95 % CI (pooled)':>18}")
     for name, taus, tau, ci in rows:
         per_seed = " / ".join(f"{t:.3f}" for t in taus)

@@ -56,9 +56,7 @@ def packed_rows(data_dir: str, seq_len: int, tokens: int, epoch: int = 0) -> lis
     for step in plan.steps[:-1]:
         if total >= tokens:
             return rows
-        rows.append(
-            build_row([reader.sample(i, seq_len) for i in step[0]], seq_len, reader.index.hidden_size)
-        )
+        rows.append(build_row([reader.sample(i, seq_len) for i in step[0]], seq_len, reader.index.hidden_size))
         total += int((rows[-1]["document_ids"] >= 0).sum())
     if total >= tokens:
         return rows
@@ -128,8 +126,13 @@ def worker_throughput(args) -> dict:
     for row in rows:
         doc = row["document_ids"]
         docs = torch.unique_consecutive(doc[doc >= 0], return_counts=True)[1].tolist()
-        flop += step_flops(model.cfg, args.seq_len, args.ttt_steps, doc_len=docs,
-                           activation_checkpointing=forward["activation_checkpointing"])["total"]  # fmt: skip
+        flop += step_flops(
+            model.cfg,
+            args.seq_len,
+            args.ttt_steps,
+            doc_len=docs,
+            activation_checkpointing=forward["activation_checkpointing"],
+        )["total"]
     return {
         "shape": shape,
         "loss_chunk_size": forward["loss_chunk_size"],
@@ -170,18 +173,26 @@ def eighth_model(s: int, doc_len: int = 512):
 
     h, vt, vd = 896, 20480, 4000
     cfg = DrafterConfig(
-        hidden_size=h, num_heads=8, head_dim=64, intermediate_size=2304, draft_vocab_size=vd,
-        target_vocab_size=vt, aux_layer_ids=(2, 30, 58),
-    )  # fmt: skip
+        hidden_size=h,
+        num_heads=8,
+        head_dim=64,
+        intermediate_size=2304,
+        draft_vocab_size=vd,
+        target_vocab_size=vt,
+        aux_layer_ids=(2, 30, 58),
+    )
     g = torch.Generator().manual_seed(0)
     model = Eagle3Drafter(cfg)
     chosen = torch.randperm(vt, generator=g)[:vd].sort().values
     t2d = torch.zeros(vt, dtype=torch.bool)
     t2d[chosen] = True
     model.load_target_weights(
-        torch.randn(vt, h, generator=g) * 0.02, torch.ones(h), torch.randn(vt, h, generator=g) * 0.02, t2d,
+        torch.randn(vt, h, generator=g) * 0.02,
+        torch.ones(h),
+        torch.randn(vt, h, generator=g) * 0.02,
+        t2d,
         chosen - torch.arange(vd),
-    )  # fmt: skip
+    )
     doc = torch.arange(s) // doc_len
     row = {
         "input_ids": torch.randint(0, vt, (s,), generator=g),
@@ -224,8 +235,9 @@ def worker_saved(args) -> dict:
         for mode in SAVED_MODES:
             gc.collect()
             before = _rss_bytes()
-            loss, _ = ttt_forward(model, row, ttt_steps=t, activation_checkpointing=mode, loss_chunk_size=0,
-                                  attention="exact")  # fmt: skip
+            loss, _ = ttt_forward(
+                model, row, ttt_steps=t, activation_checkpointing=mode, loss_chunk_size=0, attention="exact"
+            )
             held = _rss_bytes() - before
             loss.backward()
             model.zero_grad(set_to_none=True)
@@ -329,11 +341,25 @@ def worker_speed(args) -> dict:
         peak = max(peak, matmul_rate(step_matmul_shapes(shape, s)))
     rows = []
     for label, ckpt, chunk in SPEED_VARIANTS:
-        f = step_flops(shape, s, t, loss_chunk_size=0 if chunk is None else chunk,
-                       activation_checkpointing=ckpt or False, doc_len=512)  # fmt: skip
+        f = step_flops(
+            shape,
+            s,
+            t,
+            loss_chunk_size=0 if chunk is None else chunk,
+            activation_checkpointing=ckpt or False,
+            doc_len=512,
+        )
         useful = step_flops(shape, s, t, loss_chunk_size=0, doc_len=512)["total"]  # the maths, once
-        rows.append({"label": label, "min_s": min(times[label]), "median_s": statistics.median(times[label]),
-                     "flops": f["total"], "useful_flops": useful, "recompute_flops": f["recompute"]})  # fmt: skip
+        rows.append(
+            {
+                "label": label,
+                "min_s": min(times[label]),
+                "median_s": statistics.median(times[label]),
+                "flops": f["total"],
+                "useful_flops": useful,
+                "recompute_flops": f["recompute"],
+            }
+        )
     out = {"seq_len": s, "ttt_steps": t, "runs": args.runs, "matmul_peak": peak, "rows": rows}
     if args.profile:
         out["profile"] = {}
@@ -344,8 +370,9 @@ def worker_speed(args) -> dict:
                 run(ckpt, chunk)
             top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
             total = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1
-            out["profile"][label] = [(e.key, e.self_cpu_time_total / 1e6, e.count, e.self_cpu_time_total / total)
-                                     for e in top]  # fmt: skip
+            out["profile"][label] = [
+                (e.key, e.self_cpu_time_total / 1e6, e.count, e.self_cpu_time_total / total) for e in top
+            ]
     return out
 
 
@@ -353,21 +380,27 @@ def print_speed(r: dict) -> None:
     peak = r["matmul_peak"]
     by = {row["label"]: row for row in r["rows"]}
     ref, off = by["eager reference"]["min_s"], by["off (ckpt off, loss_chunk 0)"]["min_s"]
-    print(f"\nstep speed, 1/8-Kimi shape (H 896, 8x64 heads, MLP 2304, V 4000/20480), S={r['seq_len']} (documents of "
-          f"512), ttt_steps {r['ttt_steps']}, fp32, forward+backward, {r['runs']} interleaved runs")  # fmt: skip
     print(
-        f"matmul microbenchmark (same dtype, the step's shapes, same run): practical peak {peak / 1e9:.1f} GFLOP/s"
+        f"\nstep speed, 1/8-Kimi shape (H 896, 8x64 heads, MLP 2304, V 4000/20480), S={r['seq_len']} (documents of "
+        f"512), ttt_steps {r['ttt_steps']}, fp32, forward+backward, {r['runs']} interleaved runs"
     )
-    print(f"{'variant':<30} {'min s':>7} {'median s':>9} {'x off':>6} {'x ref':>6} {'GFLOP':>7} {'recomp':>7} "
-          f"{'GFLOP/s':>8} {'of peak':>8}")  # fmt: skip
+    print(f"matmul microbenchmark (same dtype, the step's shapes, same run): practical peak {peak / 1e9:.1f} GFLOP/s")
+    print(
+        f"{'variant':<30} {'min s':>7} {'median s':>9} {'x off':>6} {'x ref':>6} {'GFLOP':>7} {'recomp':>7} "
+        f"{'GFLOP/s':>8} {'of peak':>8}"
+    )
     for row in r["rows"]:
         rate = row["useful_flops"] / row["min_s"]
-        print(f"{row['label']:<30} {row['min_s']:>7.2f} {row['median_s']:>9.2f} {row['min_s'] / off:>6.2f} "
-              f"{row['min_s'] / ref:>6.2f} {row['flops'] / 1e9:>7.1f} {row['recompute_flops'] / 1e9:>7.1f} "
-              f"{rate / 1e9:>8.1f} {rate / peak:>8.0%}")  # fmt: skip
-    print("  GFLOP: matmul FLOPs the variant executes (eagle3.flops; the reference is credited with the same maths);"
-          " recomp: of which recomputed;\n  GFLOP/s and of peak: the maths once (the off variant's FLOPs) over the "
-          "min step time, against the matmul peak above")  # fmt: skip
+        print(
+            f"{row['label']:<30} {row['min_s']:>7.2f} {row['median_s']:>9.2f} {row['min_s'] / off:>6.2f} "
+            f"{row['min_s'] / ref:>6.2f} {row['flops'] / 1e9:>7.1f} {row['recompute_flops'] / 1e9:>7.1f} "
+            f"{rate / 1e9:>8.1f} {rate / peak:>8.0%}"
+        )
+    print(
+        "  GFLOP: matmul FLOPs the variant executes (eagle3.flops; the reference is credited with the same maths);"
+        " recomp: of which recomputed;\n  GFLOP/s and of peak: the maths once (the off variant's FLOPs) over the "
+        "min step time, against the matmul peak above"
+    )
     for label, top in r.get("profile", {}).items():
         print(f"\nprofile, {label}: top 5 by self CPU time")
         for name, secs, calls, frac in top:
@@ -377,12 +410,8 @@ def print_speed(r: dict) -> None:
 def run_worker(kind: str, extra: list[str], threads: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(threads), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if (
-        kind == "saved"
-    ):  # large tensors their own mappings, returned when freed: the saved table reads the resident
-        env["MALLOC_MMAP_THRESHOLD_"] = (
-            "131072"  # set; not for timed workers (every fresh mapping page-faults)
-        )
+    if kind == "saved":  # large tensors their own mappings, returned when freed: the saved table reads the resident
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # set; not for timed workers (every fresh mapping page-faults)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"worker {kind} {extra} failed:\n{proc.stderr[-3000:]}")
@@ -394,28 +423,32 @@ def main() -> int:
     p.add_argument("--worker", choices=("throughput", "saved", "speed"))
     p.add_argument("--data")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--timed-tokens", type=int, default=0,
-                   help="lengths table: tokens every length trains on, timed (0: twice the longest length)")  # fmt: skip
+    p.add_argument(
+        "--timed-tokens",
+        type=int,
+        default=0,
+        help="lengths table: tokens every length trains on, timed (0: twice the longest length)",
+    )
     p.add_argument("--ttt-steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     p.add_argument("--saved-seq-len", type=int, default=1024)
     p.add_argument("--quick", action="store_true")
-    p.add_argument(
-        "--runs", type=int, default=5, help="interleaved rounds of the speed table (min and median)"
-    )
+    p.add_argument("--runs", type=int, default=5, help="interleaved rounds of the speed table (min and median)")
     p.add_argument("--speed-seq-len", type=int, default=1024)
     p.add_argument("--speed-ttt-steps", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="print the profile's top 5 of the off and on steps")
     p.add_argument("--only", choices=("speed", "lengths", "saved"), help="run one table only")
     p.add_argument("--loss-chunk-size", type=int, default=None, help="lengths table: this loss_chunk_size")
-    p.add_argument("--budget-mib", type=float, default=600.0,
-                   help="lengths table: the memory options the planner picks for this budget (0: config defaults)")  # fmt: skip
+    p.add_argument(
+        "--budget-mib",
+        type=float,
+        default=600.0,
+        help="lengths table: the memory options the planner picks for this budget (0: config defaults)",
+    )
     args = p.parse_args()
     if args.timed_tokens < 0:
-        p.error(
-            f"--timed-tokens {args.timed_tokens}: give a number of tokens >= 1, or 0 for twice the longest length"
-        )
+        p.error(f"--timed-tokens {args.timed_tokens}: give a number of tokens >= 1, or 0 for twice the longest length")
     if args.worker == "throughput":
         print(json.dumps(worker_throughput(args)))
         return 0
@@ -426,8 +459,10 @@ def main() -> int:
         print(json.dumps(worker_speed(args)))
         return 0
 
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, {args.threads} thread(s) per run")  # fmt: skip
+    print(
+        f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {args.threads} thread(s) per run"
+    )
     if args.only in (None, "speed"):
         runs = 2 if args.quick else args.runs
         extra = [
@@ -466,20 +501,39 @@ def lengths_table(args) -> None:
             if args.budget_mib
             else f"loss_chunk_size {'default (4096)' if args.loss_chunk_size is None else args.loss_chunk_size}"
         )
-        print(f"\ntiny shape (hidden 64, 4x16 heads, MLP 192, V 512/1024), ttt_steps {args.ttt_steps}, exact attention, "
-              f"{chosen}, forward+backward+AdamW; every length trains on the same {timed} tokens (one epoch's first "
-              f"documents, in rows of its length) after a warm-up row; {runs} interleaved rounds")  # fmt: skip
+        print(
+            f"\ntiny shape (hidden 64, 4x16 heads, MLP 192, V 512/1024), ttt_steps {args.ttt_steps}, exact attention, "
+            f"{chosen}, forward+backward+AdamW; every length trains on the same {timed} tokens (one epoch's first "
+            f"documents, in rows of its length) after a warm-up row; {runs} interleaved rounds"
+        )
         results: dict[int, list[dict]] = {s: [] for s in lengths}
         for _ in range(runs):
             for s in lengths:
                 extra = ["--budget-mib", str(args.budget_mib)]  # 0 too: the worker's own default is 600
                 if args.loss_chunk_size is not None and not args.budget_mib:
                     extra += ["--loss-chunk-size", str(args.loss_chunk_size)]
-                results[s].append(run_worker("throughput", ["--data", tmp, "--seq-len", str(s), "--timed-tokens",
-                                              str(timed), "--ttt-steps", str(args.ttt_steps), *extra], args.threads))  # fmt: skip
-        print(f"{'max_seq_len':>11} {'ckpt':>9} {'chunk':>5} {'steps':>5} {'fill':>6} {'step s':>7} "
-              f"{'tokens/s max':>12} {'tokens/s med':>12} {'vs shorter':>10} {'GFLOP/s max':>11} {'kernel':>6} "
-              f"{'ew ns/el':>8} {'peak RSS GiB':>13}")  # fmt: skip
+                results[s].append(
+                    run_worker(
+                        "throughput",
+                        [
+                            "--data",
+                            tmp,
+                            "--seq-len",
+                            str(s),
+                            "--timed-tokens",
+                            str(timed),
+                            "--ttt-steps",
+                            str(args.ttt_steps),
+                            *extra,
+                        ],
+                        args.threads,
+                    )
+                )
+        print(
+            f"{'max_seq_len':>11} {'ckpt':>9} {'chunk':>5} {'steps':>5} {'fill':>6} {'step s':>7} "
+            f"{'tokens/s max':>12} {'tokens/s med':>12} {'vs shorter':>10} {'GFLOP/s max':>11} {'kernel':>6} "
+            f"{'ew ns/el':>8} {'peak RSS GiB':>13}"
+        )
         for k, s in enumerate(lengths):
             rs = results[s]
             r = rs[0]
@@ -489,28 +543,37 @@ def lengths_table(args) -> None:
                 f"{statistics.median(a['tokens_per_s'] / b['tokens_per_s'] for a, b in zip(rs, results[lengths[k - 1]], strict=True)) - 1:>+10.1%}"
                 if k
                 else f"{'':>10}"
-            )  # fmt: skip
-            print(f"{s:>11} {r['activation_checkpointing']!s:>9} {r['loss_chunk_size']:>5} {r['steps']:>5} "
-                  f"{r['fill']:>6.1%} {statistics.median(x['step_s'] for x in rs):>7.3f} {max(rates):>12.0f} "
-                  f"{statistics.median(rates):>12.0f} {paired} {max(x['flop_per_s'] for x in rs) / 1e9:>11.2f} "
-                  f"{statistics.median(x['kernel_share'] for x in rs):>6.1%} "
-                  f"{min(x['elementwise_ns'] for x in rs):>8.2f} "
-                  f"{max(x['peak_rss_gb'] for x in rs):>13.2f}", flush=True)  # fmt: skip
-        print("vs shorter: the median over rounds of this length's tokens/s over the previous length's in the same "
-              "round; ew ns/el: silu(x) * x over fp32 [max_seq_len, MLP], best ns per element (memory-bound work: "
-              "it rises once a row's tensors outgrow the cache)")  # fmt: skip
+            )
+            print(
+                f"{s:>11} {r['activation_checkpointing']!s:>9} {r['loss_chunk_size']:>5} {r['steps']:>5} "
+                f"{r['fill']:>6.1%} {statistics.median(x['step_s'] for x in rs):>7.3f} {max(rates):>12.0f} "
+                f"{statistics.median(rates):>12.0f} {paired} {max(x['flop_per_s'] for x in rs) / 1e9:>11.2f} "
+                f"{statistics.median(x['kernel_share'] for x in rs):>6.1%} "
+                f"{min(x['elementwise_ns'] for x in rs):>8.2f} "
+                f"{max(x['peak_rss_gb'] for x in rs):>13.2f}",
+                flush=True,
+            )
+        print(
+            "vs shorter: the median over rounds of this length's tokens/s over the previous length's in the same "
+            "round; ew ns/el: silu(x) * x over fp32 [max_seq_len, MLP], best ns per element (memory-bound work: "
+            "it rises once a row's tensors outgrow the cache)"
+        )
 
 
 def saved_table(args) -> None:
     r = run_worker("saved", ["--seq-len", str(args.saved_seq_len)], args.threads)
-    print(f"\nbytes held for backward after the forward (resident set, after - before), {r['shape']}, "
-          f"S={r['seq_len']}, ttt_steps {r['ttt_steps']}, loss_chunk_size 0:")  # fmt: skip
+    print(
+        f"\nbytes held for backward after the forward (resident set, after - before), {r['shape']}, "
+        f"S={r['seq_len']}, ttt_steps {r['ttt_steps']}, loss_chunk_size 0:"
+    )
     none, full = r["none"]["saved_bytes"], r["full"]["saved_bytes"]
     for mode in SAVED_MODES:
         v = r[mode]
         kept = (none - v["saved_bytes"]) / (none - full) if none != full else float("nan")
-        print(f"  activation_checkpointing {mode:<9}: {v['bytes_per_token_per_step'] / 1024:8.1f} KiB/token/step "
-              f"({v['saved_bytes'] / 2**20:6.0f} MiB; {kept:5.0%} of full checkpointing's saving)")  # fmt: skip
+        print(
+            f"  activation_checkpointing {mode:<9}: {v['bytes_per_token_per_step'] / 1024:8.1f} KiB/token/step "
+            f"({v['saved_bytes'] / 2**20:6.0f} MiB; {kept:5.0%} of full checkpointing's saving)"
+        )
 
 
 if __name__ == "__main__":

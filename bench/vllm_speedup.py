@@ -75,9 +75,7 @@ def main() -> int:
     alone_rate = statistics.median(r["greedy_tokens_per_second"] for r in runs)
     ratio = statistics.median(r["speedup"] for r in runs)
     last = runs[-1]
-    print(
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; vLLM {vllm_version()}"
-    )
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; vLLM {vllm_version()}")
     print(f"K={args.k}, {last['prompts']} prompts x up to {args.max_new} tokens, {args.repeats} repeats")
     print(f"engine start: {spec.start_seconds:.1f} s with the drafter, {plain.start_seconds:.1f} s without")
     print(

@@ -267,9 +267,7 @@ def main() -> None:
         text=True,
         timeout=30,
     )
-    module.exit_json(
-        changed=False, **describe(unit, props, out, journal.stdout.splitlines(), read_samples(out))
-    )
+    module.exit_json(changed=False, **describe(unit, props, out, journal.stdout.splitlines(), read_samples(out)))
 
 
 if __name__ == "__main__":

@@ -326,9 +326,7 @@ def validate(p: dict) -> tuple[procs.Selectors, proc_stop.Budget]:
     if p["marker"] is not None:
         procs.parse_marker(p["marker"])
     if p["gpu_memory_tolerance_mib"] < 0:
-        raise ValueError(
-            f"gpu_memory_tolerance_mib={p['gpu_memory_tolerance_mib']} must be >= 0 (for example 1024)"
-        )
+        raise ValueError(f"gpu_memory_tolerance_mib={p['gpu_memory_tolerance_mib']} must be >= 0 (for example 1024)")
     for glob in p["devices"]:
         if not glob.startswith("/"):
             raise ValueError(f"path glob {glob!r} must be absolute (for example /dev/nvidia[0-9]*)")
@@ -379,9 +377,13 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         killed = {(t["pid"], t["start_time"]) for t in outcome["targets"]}
         window = min(p["respawn_window"], max(deadline - time.monotonic(), 0.0))
         came_back = respawn.watch(
-            selectors.devices, killed, window, spare_unit=selectors.unit if selectors.spare_unit else None,
-            protect=selectors.protect, self_pid=self_pid,
-        )  # fmt: skip
+            selectors.devices,
+            killed,
+            window,
+            spare_unit=selectors.unit if selectors.spare_unit else None,
+            protect=selectors.protect,
+            self_pid=self_pid,
+        )
 
     held = proc_stop.referenced_paths(procs.scan())
     unreferenced, in_use, kept = job_files.candidates(p["sweep"], held)
@@ -403,9 +405,7 @@ def run(p: dict, check_mode: bool, self_pid: int | None = None) -> tuple[dict, s
         # (inside the budget), but always take at least one reading.
         now = time.monotonic()
         window = min(deadline, now + budget.kill) if outcome["targets"] else now
-        gpu = nvml.verify_memory(
-            before_query, p["gpu_memory_tolerance_mib"], max(window, now + 1.0), call_timeout
-        )
+        gpu = nvml.verify_memory(before_query, p["gpu_memory_tolerance_mib"], max(window, now + 1.0), call_timeout)
     gpu["before"] = before
 
     signalled = bool(outcome["targets"]) and not check_mode
@@ -537,8 +537,7 @@ def failure(r: dict) -> str | None:
         problems.append(respawn.describe(r["respawned"], r["respawn_window"]))
     if r["unkillable"]:
         listed = "; ".join(
-            f"pid={u['pid']} name={u['name']} state={u['state']} wchan={u['wchan'] or '-'}"
-            for u in r["unkillable"]
+            f"pid={u['pid']} name={u['name']} state={u['state']} wchan={u['wchan'] or '-'}" for u in r["unkillable"]
         )
         hint = (
             D_STATE_HINT

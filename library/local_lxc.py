@@ -261,15 +261,11 @@ def main():
         result["state"] = "ABSENT"
         result["leftovers"] = [] if module.check_mode else leftovers(p["name"], ct_dir)
         if result["leftovers"]:
-            module.fail_json(
-                msg=f"CT {p['name']} removed but left behind: {', '.join(result['leftovers'])}", **result
-            )
+            module.fail_json(msg=f"CT {p['name']} removed but left behind: {', '.join(result['leftovers'])}", **result)
         module.exit_json(**result)
 
     if before == "ABSENT":
-        module.fail_json(
-            msg=f"CT {p['name']} has no configuration at {ct_dir}/config: the local_ct role writes it"
-        )
+        module.fail_json(msg=f"CT {p['name']} has no configuration at {ct_dir}/config: the local_ct role writes it")
 
     if p["state"] == "stopped":
         if before == "RUNNING":

@@ -288,9 +288,7 @@ def argument_spec():
     spec = dict(
         vmid=dict(type="int", required=True),
         node=dict(type="str", required=True),
-        state=dict(
-            type="str", default="present", choices=["present", "started", "stopped", "restarted", "absent"]
-        ),
+        state=dict(type="str", default="present", choices=["present", "started", "stopped", "restarted", "absent"]),
         template=dict(type="str"),
         hostname=dict(type="str"),
         cores=dict(type="int"),
@@ -319,9 +317,7 @@ def main():
     except PveError as exc:
         module.fail_json(msg=str(exc), vmid=module.params["vmid"], node=module.params["node"])
     except Exception as exc:
-        module.fail_json(
-            msg=f"pve_lxc: unexpected {type(exc).__name__}: {exc}", exception=traceback.format_exc()
-        )
+        module.fail_json(msg=f"pve_lxc: unexpected {type(exc).__name__}: {exc}", exception=traceback.format_exc())
     module.exit_json(**result)
 
 

@@ -250,9 +250,7 @@ def state_released(module: AnsibleModule, path: str, owner: str) -> None:
 
 def state_renewed(module: AnsibleModule, path: str, owner: str, ttl: int | None) -> None:
     if module.check_mode:
-        module.exit_json(
-            changed=False, waited=0.0, overdue=0.0, msg="check mode: nothing held, nothing renewed"
-        )
+        module.exit_json(changed=False, waited=0.0, overdue=0.0, msg="check mode: nothing held, nothing renewed")
     try:
         rec, overdue = renew(path, owner, ttl)
     except LockError as exc:
@@ -311,9 +309,7 @@ def state_acquired(module: AnsibleModule, p: dict) -> None:
         module.exit_json(msg=msg, **result)
     result["lock"] = read_record(path)
     if outcome == "stale":
-        module.warn(
-            f"took over the stale lock {path} (its lease ran out without renewal): {describe(holder)}"
-        )
+        module.warn(f"took over the stale lock {path} (its lease ran out without renewal): {describe(holder)}")
     elif outcome == "broken":
         module.warn(f"broke the lock {path} of a run that is gone (break_owner): {describe(holder)}")
     module.exit_json(**result)

@@ -209,9 +209,7 @@ def progress_line(message: str, status: dict | None, min_steps: int, fresh: bool
     if not status or status.get("step") is None:
         return message
     if not fresh:
-        return (
-            f"{message} (the previous run reported step {status['step']}, phase {status.get('phase', '?')})"
-        )
+        return f"{message} (the previous run reported step {status['step']}, phase {status.get('phase', '?')})"
     done = completed_steps(status)
     parts = [f"step {status['step']} ({max(done, 0)}/{min_steps} steps this run)"]
     if status.get("tokens_per_s"):
@@ -294,8 +292,14 @@ def observe(p: dict, wall_start: float, first_step) -> dict:
         first_step = step
     if kind == "healthy" and started_at < wall_start - 5 and step == first_step:
         kind, message = "waiting", f"running since before this check; waiting to see it pass step {step}"
-    return {"kind": kind, "message": message, "status": status, "unit": unit, "started_at": started_at,
-            "first_step": first_step}  # fmt: skip
+    return {
+        "kind": kind,
+        "message": message,
+        "status": status,
+        "unit": unit,
+        "started_at": started_at,
+        "first_step": first_step,
+    }
 
 
 def wait(module: AnsibleModule, p: dict, wall_start: float) -> dict:
@@ -331,9 +335,7 @@ def main():
         "changed": False,
         "verdict": kind,
         "status": status or {},
-        "unit": {
-            k: unit.get(k) for k in ("ActiveState", "SubState", "Result", "ExecMainStatus", "NRestarts")
-        },
+        "unit": {k: unit.get(k) for k in ("ActiveState", "SubState", "Result", "ExecMainStatus", "NRestarts")},
         "elapsed": round(time.time() - wall_start, 1),
         "progress": message,
         "wait_started": wall_start,
@@ -351,9 +353,7 @@ def main():
         result["verdict"] = "timeout"
         message = f"not healthy after {p['timeout']}s: {message}"
     elif kind == "oom":
-        message += (
-            ". Choose a smaller max_seq_len (or max_seq_len=auto), or enable activation_checkpointing/fsdp."
-        )
+        message += ". Choose a smaller max_seq_len (or max_seq_len=auto), or enable activation_checkpointing/fsdp."
     module.fail_json(msg=message, **result)
 
 

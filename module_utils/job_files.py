@@ -80,9 +80,7 @@ def tree_problem(path: str) -> str | None:
     """Why the directory ``path`` is not a tree the job created (and so is kept), or None."""
     name = os.path.basename(path)
     if not TREE_NAME.fullmatch(name):
-        return (
-            "a directory tree that is not torchrun's log folder (torchelastic_<id>): not the job's to remove"
-        )
+        return "a directory tree that is not torchrun's log folder (torchelastic_<id>): not the job's to remove"
     root_dev = os.lstat(os.path.dirname(path)).st_dev
     if os.lstat(path).st_dev != root_dev or _mount_inside(path, root_dev):
         return "a mount point lies in it"

@@ -59,9 +59,7 @@ def _number(text: str) -> float | None:
         return None
 
 
-def is_starved(
-    utilization_pct: float | None, power_draw_w: float | None, power_limit_w: float | None
-) -> bool:
+def is_starved(utilization_pct: float | None, power_draw_w: float | None, power_limit_w: float | None) -> bool:
     """High utilisation at low power: the GPU is waiting (all-reduce over PCIe, data stalls), not computing.
 
     >>> is_starved(100, 250, 600), is_starved(100, 476, 600), is_starved(20, 90, 600), is_starved(100, None, 600)
@@ -69,10 +67,7 @@ def is_starved(
     """
     if utilization_pct is None or power_draw_w is None or not power_limit_w:
         return False
-    return (
-        utilization_pct >= STARVED_MIN_UTILIZATION_PCT
-        and power_draw_w < STARVED_MAX_POWER_FRACTION * power_limit_w
-    )
+    return utilization_pct >= STARVED_MIN_UTILIZATION_PCT and power_draw_w < STARVED_MAX_POWER_FRACTION * power_limit_w
 
 
 def gpu_record(
@@ -109,9 +104,7 @@ def parse_smi_csv(text: str) -> tuple[list[dict], str | None]:
     gpus, driver = [], None
     for row in csv.reader(line for line in text.splitlines() if line.strip()):
         if len(row) != len(SMI_FIELDS):
-            raise GpuQueryError(
-                f"unexpected nvidia-smi line {','.join(row)!r} (want {len(SMI_FIELDS)} fields)"
-            )
+            raise GpuQueryError(f"unexpected nvidia-smi line {','.join(row)!r} (want {len(SMI_FIELDS)} fields)")
         values = dict(zip(SMI_FIELDS, (c.strip() for c in row), strict=True))
         driver = values["driver_version"]
         gpus.append(
@@ -197,9 +190,7 @@ def query_nvml(timeout: float, pynvml) -> tuple[list[dict], str | None]:
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        raise GpuQueryTimeout(
-            f"NVML timed out after {timeout:g} s: it did not answer (hung driver after an Xid?)"
-        )
+        raise GpuQueryTimeout(f"NVML timed out after {timeout:g} s: it did not answer (hung driver after an Xid?)")
     if "error" in box:
         if type(box["error"]).__name__ in NO_GPU_ERRORS:
             return [], None
@@ -300,8 +291,6 @@ def verify_memory(before_query: dict, tolerance: int, deadline: float, call_time
             return dict(status, status="ok", message=f"every GPU at or below {tolerance} MiB used")
         if time.monotonic() + interval >= deadline:
             listed = ", ".join(f"GPU {g['index']}: {g['used_mib']} MiB" for g in over)
-            return dict(
-                status, status="failed", message=MEMORY_HELD.format(listed=listed, tolerance=tolerance)
-            )
+            return dict(status, status="failed", message=MEMORY_HELD.format(listed=listed, tolerance=tolerance))
         time.sleep(interval)
         interval = min(interval * 1.5, 1.0)

@@ -125,7 +125,9 @@ def system_dir_problem(path: str) -> str | None:
     path = posixpath.normpath(path) if isinstance(path, str) and path.startswith("/") else path
     if path in SYSTEM_DIRS or path == "//":
         example = f"{path.rstrip('/')}/eagle3" if path not in ("/", "//") else "/opt/eagle3"
-        return f"is a system folder (a role would create, re-mode or fill it): choose a folder of its own, e.g. {example}"
+        return (
+            f"is a system folder (a role would create, re-mode or fill it): choose a folder of its own, e.g. {example}"
+        )
     tree = next((t for t in SYSTEM_TREES if isinstance(path, str) and path.startswith(t + "/")), None)
     if tree:
         return f"lies in {tree}, which only the system's packages own: choose a folder of its own, e.g. /opt/eagle3"

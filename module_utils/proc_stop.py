@@ -71,9 +71,7 @@ def check_timeouts(values: dict[str, float | None]) -> None:
 # --------------------------------------------------------------------------- first: the systemd unit
 
 
-def stop_unit(
-    unit: str, timeout: float, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system"
-) -> dict:
+def stop_unit(unit: str, timeout: float, systemctl: str = "systemctl", run_dir: str = "/run/systemd/system") -> dict:
     """Stop ``unit`` through systemd, waiting at most ``timeout`` s (its ExecStop/KillMode do the graceful part).
 
     Returns {state, stopped, message}: state is the ActiveState seen before ('no-systemd', 'not-found'
@@ -85,9 +83,7 @@ def stop_unit(
     if state not in ACTIVE_STATES and state != "unknown":
         return seen
     try:
-        run = subprocess.run(
-            [systemctl, "stop", unit], capture_output=True, text=True, timeout=timeout, check=False
-        )
+        run = subprocess.run([systemctl, "stop", unit], capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {
             "state": state,
@@ -261,9 +257,7 @@ def send_signal(identity: tuple[int, int], sig: int, proc: str = PROC) -> str:
             os.close(pidfd)
 
 
-def wait_exited(
-    identities: list[tuple[int, int]], deadline: float, proc: str = PROC
-) -> list[tuple[int, int]]:
+def wait_exited(identities: list[tuple[int, int]], deadline: float, proc: str = PROC) -> list[tuple[int, int]]:
     """Poll (not sleep) until every identity has exited or ``deadline`` (time.monotonic) passes.
 
     Returns the identities still running.  The poll interval grows from 10 ms to 200 ms.

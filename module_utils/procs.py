@@ -141,9 +141,7 @@ def select_targets(
     # Only processes we may signal pass the job on to their children: the children of a protected
     # sshd or of this module's own ancestors are not part of the job.
     roots = {
-        pid
-        for pid in reasons
-        if pid not in never and not name_matches(procs[pid].name, _argv0(pid, proc), sel.protect)
+        pid for pid in reasons if pid not in never and not name_matches(procs[pid].name, _argv0(pid, proc), sel.protect)
     }
     zombies = []
     for pid in descendants(roots, procs):

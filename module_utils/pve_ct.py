@@ -138,9 +138,7 @@ class CtRun:
         try:
             wait_task(self.api, self.node, upid, self.p["task_timeout"])
         except PveTaskError as exc:
-            raise PveError(
-                "{}: {}\ntask log:\n{}".format(what, exc, "\n".join(exc.log) or "(empty)")
-            ) from None
+            raise PveError("{}: {}\ntask log:\n{}".format(what, exc, "\n".join(exc.log) or "(empty)")) from None
 
     def read_config(self):
         """The config with pending values applied (what the CT will run with), and the pending keys.
@@ -263,15 +261,11 @@ class CtRun:
             wanted = self.wanted(current)
             updates, deletes = plan_changes(current, wanted, self.devices is not None)
             unprivileged = pve_bool(current.get("unprivileged", 0)) == "1"
-            self.rights.check(
-                self.vmid, self.running_config or current, updates, deletes, unprivileged, self.pool
-            )
+            self.rights.check(self.vmid, self.running_config or current, updates, deletes, unprivileged, self.pool)
             if self.check_mode and running:
                 # What will wait for the next start once the change is made: pending changes already
                 # on the CT count too, because the real run restarts for them as well.
-                self.result["pending"] = predict_pending(
-                    self.running_config, waiting, updates, deletes, self.major
-                )
+                self.result["pending"] = predict_pending(self.running_config, waiting, updates, deletes, self.major)
             if not updates and not deletes:
                 return
             after = {k: v for k, v in current.items() if k not in deletes}
@@ -351,9 +345,7 @@ class CtRun:
     def reboot(self):
         self.result.update(changed=True, status="running", restarted=True)
         if not self.check_mode:
-            self.run_task(
-                f"restart CT {self.vmid}", self.ct().status.reboot.post, timeout=self.p["shutdown_timeout"]
-            )
+            self.run_task(f"restart CT {self.vmid}", self.ct().status.reboot.post, timeout=self.p["shutdown_timeout"])
 
     # ------------------------------------------------------------ absent
 
@@ -362,8 +354,9 @@ class CtRun:
         current, _ = self.read_config()
         if current.get("lock"):
             raise PveError(
-                "CT {0} is locked ({1}); not removing it. Wait for the operation to end or `pct unlock "
-                "{0}`".format(self.vmid, current["lock"])
+                "CT {0} is locked ({1}); not removing it. Wait for the operation to end or `pct unlock {0}`".format(
+                    self.vmid, current["lock"]
+                )
             )
         self.diff(render_config(current), "")
         if self.check_mode:

@@ -202,11 +202,7 @@ class Rights:
                 self.held[path] = _Everything()
             else:
                 self.held[path] = {
-                    priv
-                    for privs in answer.values()
-                    if isinstance(privs, dict)
-                    for priv, on in privs.items()
-                    if on
+                    priv for privs in answer.values() if isinstance(privs, dict) for priv, on in privs.items() if on
                 }
         return self.held[path]
 

@@ -131,7 +131,9 @@ def wrong_password(where, user):
     >>> wrong_password('https://pve1:8006', 'root')
     'authentication failed at https://pve1:8006 for root: wrong user or password (the realm is part of the user: root@pam)'
     """
-    return f"authentication failed at {where} for {user}: wrong user or password (the realm is part of the user: root@pam)"
+    return (
+        f"authentication failed at {where} for {user}: wrong user or password (the realm is part of the user: root@pam)"
+    )
 
 
 def first_factor(requests, where, user, password, verify, timeout):

@@ -101,9 +101,7 @@ def parse_devices(devices):
     """
     out, seen = [], {}
     if len(devices) > MAX_DEVICES:
-        raise PveError(
-            f"{len(devices)} devices asked, PVE allows at most {MAX_DEVICES} (dev0..dev{MAX_DEVICES - 1})"
-        )
+        raise PveError(f"{len(devices)} devices asked, PVE allows at most {MAX_DEVICES} (dev0..dev{MAX_DEVICES - 1})")
     for n, item in enumerate(devices):
         spec = {"path": item} if isinstance(item, str) else dict(item or {})
         path = str(spec.get("path") or "").strip()
@@ -117,15 +115,13 @@ def parse_devices(devices):
             raise PveError(f"devices[{n}]: {path!r} leaves /dev/ once normalised ({clean})")
         if clean in seen:
             raise PveError(
-                f"devices[{n}]: {clean} is listed twice (first as devices[{seen[clean]}]); list each node "
-                "once"
+                f"devices[{n}]: {clean} is listed twice (first as devices[{seen[clean]}]); list each node once"
             )
         seen[clean] = n
         unknown = set(spec) - {"path", "gid", "uid", "mode", "deny_write", "deny-write"}
         if unknown:
             raise PveError(
-                f"devices[{n}] ({clean}): unknown keys {sorted(unknown)}; allowed: path, gid, uid, mode, "
-                "deny_write"
+                f"devices[{n}] ({clean}): unknown keys {sorted(unknown)}; allowed: path, gid, uid, mode, deny_write"
             )
         entry = {"path": clean}
         for key in ("gid", "uid"):

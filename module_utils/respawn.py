@@ -65,9 +65,7 @@ def watch(
     deadline = time.monotonic() + window
     found: dict[int, dict] = {}
     while True:
-        for h in procs.holders(
-            devices, exclude_unit=spare_unit, protect=protect, self_pid=self_pid, proc=proc
-        ):
+        for h in procs.holders(devices, exclude_unit=spare_unit, protect=protect, self_pid=self_pid, proc=proc):
             p = procs.read_proc(h["pid"], proc)
             if p is None or p.identity in killed or h["pid"] in found:
                 continue
@@ -99,8 +97,7 @@ def respawner(holder: dict) -> str:
 def describe(holders: list[dict], window: float) -> str:
     """The failure message for holders that came back."""
     listed = "; ".join(
-        f"pid {h['pid']} {h['name']} ({h['cmdline'][:120]}) holds {','.join(h['paths'])}, started by "
-        f"{respawner(h)}"
+        f"pid {h['pid']} {h['name']} ({h['cmdline'][:120]}) holds {','.join(h['paths'])}, started by {respawner(h)}"
         for h in holders
     )
     return (

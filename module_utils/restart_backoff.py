@@ -47,9 +47,7 @@ JOURNAL_REASONS = (
     ),
     (
         "nccl",
-        re.compile(
-            r"NCCL (error|WARN)|ncclInternalError|ncclSystemError|ProcessGroupNCCL.*(timeout|Watchdog)"
-        ),
+        re.compile(r"NCCL (error|WARN)|ncclInternalError|ncclSystemError|ProcessGroupNCCL.*(timeout|Watchdog)"),
     ),
     ("collective timeout", re.compile(r"(Gloo|gloo).*(timed out|Timed out)")),
     ("lost peer", re.compile(r"Connection (closed|reset) by peer")),
@@ -148,9 +146,7 @@ def classify_exit(env: dict, status: dict | None, started: float, journal: list[
     for reason, pattern in JOURNAL_REASONS:
         hit = next((line for line in reversed(journal) if pattern.search(line)), None)
         if hit:
-            hint = (
-                next((h for p, h in RENDEZVOUS_HINTS if p.search(hit)), "") if reason == "rendezvous" else ""
-            )
+            hint = next((h for p, h in RENDEZVOUS_HINTS if p.search(hit)), "") if reason == "rendezvous" else ""
             return reason, hit.strip()[-300:] + (f" ({hint})" if hint else "")
     if code in ("killed", "dumped"):
         return "signal", f"killed by {signal_name(value)}"

@@ -65,9 +65,7 @@ def guarded(path: str, timeout: float = GUARD_TIMEOUT):
         try:
             fd = os.open(guard, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except PermissionError:
-            fd = os.open(
-                guard, os.O_RDONLY | os.O_CLOEXEC
-            )  # another user's guard: flock needs no write access
+            fd = os.open(guard, os.O_RDONLY | os.O_CLOEXEC)  # another user's guard: flock needs no write access
         try:
             while True:
                 try:
@@ -277,9 +275,7 @@ def acquire_once(
         return outcome, holder
 
 
-def acquire(
-    path: str, owner: str, wait: float = 0, poll: float = 0.5, **kw
-) -> tuple[str, dict | None, float]:
+def acquire(path: str, owner: str, wait: float = 0, poll: float = 0.5, **kw) -> tuple[str, dict | None, float]:
     """Attempt until not busy or ``wait`` seconds passed: (outcome, holder, seconds waited)."""
     start = time.monotonic()
     while True:
@@ -296,9 +292,7 @@ def renew(path: str, owner: str, ttl: float | None = None) -> tuple[dict, float]
     Raises LockError when the lock is no longer this owner's: another run may have acted on the target since.
     """
     if not os.path.exists(path):
-        raise LockError(
-            f"the lock {path} is no longer held by this run ({owner}): it was released or broken meanwhile"
-        )
+        raise LockError(f"the lock {path} is no longer held by this run ({owner}): it was released or broken meanwhile")
     check_path(path)
     with guarded(path):
         now = time.time()
@@ -377,9 +371,7 @@ def busy_message(path: str, rec: dict, waited: float, now: float | None = None, 
     host = rec.get("host") or "its controller"
     pid = rec.get("pid")
     runs_out = renewed_at(rec) + lease_ttl(rec)
-    stop = (
-        f"stop it (ansible-playbook pid {pid} on {host}, as {rec.get('user') or '?'})" if pid else "stop it"
-    )
+    stop = f"stop it (ansible-playbook pid {pid} on {host}, as {rec.get('user') or '?'})" if pid else "stop it"
     return (
         f"another eagle3-pve run holds the lock {path}: {describe(rec, now)}. Waited {waited:.0f} s."
         + (f" {why_alive}." if why_alive else "")

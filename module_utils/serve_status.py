@@ -35,9 +35,7 @@ EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
 RUNNING = ("active", "activating", "reloading")
 
-_SAMPLE = re.compile(
-    r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$"
-)
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -84,9 +82,7 @@ def acceptance(samples) -> dict:
     (False, None)
     """
     drafts = _counter(samples, DRAFTS)
-    total = {
-        name: int(sum(v for _, v in _counter(samples, name))) for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED)
-    }
+    total = {name: int(sum(v for _, v in _counter(samples, name))) for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED)}
     by_pos: dict[int, float] = {}
     for labels, v in _counter(samples, ACCEPTED_PER_POS):
         if str(labels.get("position", "")).isdigit():
@@ -149,9 +145,7 @@ def export_problem(folder: str) -> str | None:
     if not isinstance(config, dict):
         return f"has a {EXPORT_CONFIG} that is not a JSON object"
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
-    if config.get("speculators_model_type") != "eagle3" and not any(
-        str(a).startswith("Eagle3") for a in archs
-    ):
+    if config.get("speculators_model_type") != "eagle3" and not any(str(a).startswith("Eagle3") for a in archs):
         return (
             f"has a {EXPORT_CONFIG} of something else than an EAGLE-3 drafter (speculators_model_type "
             f"{json.dumps(config.get('speculators_model_type'))}, architectures {json.dumps(archs)}): name a folder "
@@ -198,9 +192,7 @@ def url_host(host: str) -> str:
 # A traceback's last line, as vLLM's processes print it (the engine core's and workers' lines carry a "(Name pid=N)"
 # prefix), and the lines that only point at another one: the engine core's and the API server's wrappers.
 _RAISED = re.compile(r"^(?:\([^)]*\)\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
-_WRAPPER = re.compile(
-    r"see root cause above|see stack trace for root cause|initialization failed", re.IGNORECASE
-)
+_WRAPPER = re.compile(r"see root cause above|see stack trace for root cause|initialization failed", re.IGNORECASE)
 
 
 def root_cause(log: list[str]) -> str | None:
@@ -270,9 +262,7 @@ def describe(
     elif sub == "auto-restart" or active == "failed" or (active == "inactive" and status != 0):
         restarting = ", restarting" if sub == "auto-restart" else ""
         verdict = "failed"
-        summary = (
-            f"{unit}: failed ({props.get('Result') or 'exit'}, exit status {status}{restarting}): {last}"
-        )
+        summary = f"{unit}: failed ({props.get('Result') or 'exit'}, exit status {status}{restarting}): {last}"
     elif active == "inactive":
         verdict, summary = "stopped", f"{unit}: inactive (stopped; serve.yml starts it)"
     elif answer and answer.get("ok"):
@@ -303,9 +293,7 @@ def describe(
 def _request(url: str, body: dict | None, timeout: float) -> str:
     """GET `url` (POST `body` as JSON when given): the reply's text; an HTTP error status raises HTTPError."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data else {}
-    )
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read().decode("utf-8", "replace")
 
@@ -325,8 +313,13 @@ def ask_completion(base: str, timeout: float) -> dict:
     try:
         models = json.loads(_request(f"{base}/v1/models", None, timeout))
         model = models["data"][0]["id"]
-        body = {"model": model, "prompt": HEALTH_PROMPT, "max_tokens": HEALTH_TOKENS, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": HEALTH_PROMPT,
+            "max_tokens": HEALTH_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         reply = json.loads(_request(f"{base}/v1/completions", body, timeout))
         text = reply["choices"][0].get("text") or ""
         tokens = int((reply.get("usage") or {}).get("completion_tokens") or 0)

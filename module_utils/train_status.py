@@ -104,9 +104,7 @@ def is_fresh(status: dict, started_at: float) -> bool:
     return float(status.get("updated") or 0) >= started_at
 
 
-def verdict(
-    status: dict | None, unit: dict, *, min_steps: int, started_at: float, max_seq_len: int | None = None
-):
+def verdict(status: dict | None, unit: dict, *, min_steps: int, started_at: float, max_seq_len: int | None = None):
     """Classify what we see. Returns (kind, message), kind one of: healthy, done, waiting, oom, config, hang,
     disk_full, read_only, no_permission, crash, stopped.
 
@@ -342,9 +340,7 @@ def run_state(
     out = {"state": "", "reason": reason, "detail": "", "stalled": False}
 
     restarting = (
-        active in ("activating", "active")
-        and failures > 0
-        and (sub in ("auto-restart", "start-pre") or not fresh)
+        active in ("activating", "active") and failures > 0 and (sub in ("auto-restart", "start-pre") or not fresh)
     )
     if restarting and failures >= 2:
         out["state"] = "crash-looping"
@@ -352,9 +348,7 @@ def run_state(
         return out
     if restarting:
         out["state"] = "starting"
-        out["detail"] = (
-            f"restarting after one failed run ({reason or 'reason unknown'}), with its back-off delay"
-        )
+        out["detail"] = f"restarting after one failed run ({reason or 'reason unknown'}), with its back-off delay"
         return out
     if active in ("active", "deactivating") and err:
         # The trainer has reported its failure; the launcher is still collecting the other ranks.
@@ -367,9 +361,7 @@ def run_state(
         return out
     if active == "active" and not (fresh and s.get("phase") in ("training", "validating", "checkpointing")):
         out["state"] = "starting"
-        out["detail"] = (
-            f"phase {s.get('phase')}" if fresh else missing_status(status, status_file, started_at, now)
-        )
+        out["detail"] = f"phase {s.get('phase')}" if fresh else missing_status(status, status_file, started_at, now)
         return out
     if active == "active" and not s.get("step_time_s"):
         out["state"] = "starting"
@@ -388,9 +380,7 @@ def run_state(
         return out
     if active == "failed" or (active == "inactive" and result not in ("", "success")):
         out["state"] = "failed"
-        out["detail"] = _failed_detail(
-            (err or {}).get("kind") or last.get("reason"), active, result, failures
-        )
+        out["detail"] = _failed_detail((err or {}).get("kind") or last.get("reason"), active, result, failures)
         return out
     if s.get("phase") == "done":
         out["state"] = "finished"

@@ -26,18 +26,14 @@ def conversations(held_out: bool, files: int) -> list[dict]:
         for start in (0, 40):
             head, tail = "\n".join(lines[start : start + 8]), "\n".join(lines[start + 8 : start + 20])
             if head.strip() and tail.strip():
-                out.append(
-                    {"messages": [{"role": "user", "content": head}, {"role": "assistant", "content": tail}]}
-                )
+                out.append({"messages": [{"role": "user", "content": head}, {"role": "assistant", "content": tail}]})
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument(
-        "--held-out", action="store_true", help=f"only every {HELD_OUT_EVERY}th module (evaluate)"
-    )
+    parser.add_argument("--held-out", action="store_true", help=f"only every {HELD_OUT_EVERY}th module (evaluate)")
     parser.add_argument("--files", type=int, default=10_000, help="at most this many modules")
     args = parser.parse_args()
     chats = conversations(args.held_out, args.files)

@@ -48,8 +48,11 @@ class Leftovers:
         import secrets
 
         self.token = f"e3t{os.getpid()}x{secrets.token_hex(3)}"
-        self.globs = [f"/dev/shm/nccl-{self.token}-*", f"/dev/shm/torch_{self.token}-*",
-                      f"/tmp/torchelastic_{self.token}_*"]  # fmt: skip
+        self.globs = [
+            f"/dev/shm/nccl-{self.token}-*",
+            f"/dev/shm/torch_{self.token}-*",
+            f"/tmp/torchelastic_{self.token}_*",
+        ]
 
     def shm(self, kind: str, name: str) -> pathlib.Path:
         """/dev/shm/nccl-TOKEN-NAME (kind "nccl") or /dev/shm/torch_TOKEN-NAME (kind "torch")."""

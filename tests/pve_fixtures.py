@@ -113,8 +113,8 @@ def totp_pve_class():
                 response = await super()._ticket(request)
                 if self.tfa and response.status == 200:
                     body = json.loads(response.text)
-                    body["data"]["ticket"] = (
-                        "PVE:root@pam:65F00000::!tfa!%7B%22totp%22%3Atrue%7D" + secrets.token_hex(4)
+                    body["data"]["ticket"] = "PVE:root@pam:65F00000::!tfa!%7B%22totp%22%3Atrue%7D" + secrets.token_hex(
+                        4
                     )
                     self.challenges.add(body["data"]["ticket"])
                     response.text = json.dumps(body)

@@ -31,8 +31,22 @@ FILTER_DIRS = [*sorted(ROOT.glob("roles/*/filter_plugins")), ROOT / "plugins" / 
 # ansible-core's support levels (ansible-test's validate-modules schema).
 SUPPORT = {"full", "partial", "none"}
 # RETURN types ansible-doc and ansible-test accept.
-RETURN_TYPES = {"any", "bits", "bool", "complex", "dict", "float", "int", "json", "jsonarg", "list", "path", "raw",
-                "sid", "str"}  # fmt: skip
+RETURN_TYPES = {
+    "any",
+    "bits",
+    "bool",
+    "complex",
+    "dict",
+    "float",
+    "int",
+    "json",
+    "jsonarg",
+    "list",
+    "path",
+    "raw",
+    "sid",
+    "str",
+}
 
 
 def role_filters() -> dict[str, Path]:
@@ -40,9 +54,7 @@ def role_filters() -> dict[str, Path]:
     found = {}
     for folder in FILTER_DIRS:
         for path in sorted(folder.glob("*.py")):
-            spec = importlib.util.spec_from_file_location(
-                f"_filters_{path.parent.parent.name}_{path.stem}", path
-            )
+            spec = importlib.util.spec_from_file_location(f"_filters_{path.parent.parent.name}_{path.stem}", path)
             plugin = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(plugin)
             for name in plugin.FilterModule().filters():
@@ -130,9 +142,7 @@ def test_module_documents_its_attributes(module_docs, name):
         assert key in attributes, f"{name}: no {key} attribute"
         entry = attributes[key]
         assert entry.get("support") in SUPPORT, f"{name}: {key} support {entry.get('support')!r}"
-        assert entry.get("description"), (
-            f"{name}: {key} has no description (extends action_common_attributes?)"
-        )
+        assert entry.get("description"), f"{name}: {key} has no description (extends action_common_attributes?)"
         if entry["support"] == "partial":
             assert entry.get("details"), f"{name}: partial {key} must say what is partial in details"
     platform = attributes.get("platform") or {}
@@ -150,9 +160,7 @@ def check_return(where: str, entries: dict, top: bool) -> None:
         if "elements" in entry:
             assert entry["type"] == "list", f"{here}: elements without type list"
         if "contains" in entry:
-            assert entry["type"] in ("dict", "list", "complex"), (
-                f"{here}: contains under type {entry['type']}"
-            )
+            assert entry["type"] in ("dict", "list", "complex"), f"{here}: contains under type {entry['type']}"
             check_return(here, entry["contains"], top=False)
 
 
@@ -185,15 +193,11 @@ def test_examples_are_valid_tasks(module_docs, filter_docs, tmp_path):
     for name in MODULES:
         tasks = example_tasks(module_docs[name]["examples"], name)
         assert any(name in task or f"ansible.legacy.{name}" in task for task in tasks), f"{name}: not used"
-        plays.append(
-            {"name": f"EXAMPLES of {name}", "hosts": "localhost", "gather_facts": False, "tasks": tasks}
-        )
+        plays.append({"name": f"EXAMPLES of {name}", "hosts": "localhost", "gather_facts": False, "tasks": tasks})
     for name in sorted(FILTERS):
         tasks = example_tasks(filter_docs[name]["examples"], name)
         assert name in json.dumps(tasks), f"{name}: the examples do not use the filter"
-        plays.append(
-            {"name": f"EXAMPLES of {name}", "hosts": "localhost", "gather_facts": False, "tasks": tasks}
-        )
+        plays.append({"name": f"EXAMPLES of {name}", "hosts": "localhost", "gather_facts": False, "tasks": tasks})
     playbook = tmp_path / "examples.yml"
     playbook.write_text(yaml.safe_dump(plays, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ANSIBLE_")}
@@ -205,7 +209,12 @@ def test_examples_are_valid_tasks(module_docs, filter_docs, tmp_path):
     )
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "ansible-playbook"), "--syntax-check", "-i", "localhost,", str(playbook)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[WARNING]" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr

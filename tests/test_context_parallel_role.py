@@ -145,13 +145,9 @@ def test_a_number_is_checked_by_the_planner_and_written_as_it_is(tmp_path):
         tmp_path, {"target": host(tmp_path, "target", 2)}, "eagle3_train__msl=32768", "eagle3_train__cp=2"
     )
     assert rc == 0, out[-3000:]
-    assert (
-        "max_seq_len=32768 fits (the largest that fits: 32768), context_parallel=2 (data_parallel 1)" in out
-    )
+    assert "max_seq_len=32768 fits (the largest that fits: 32768), context_parallel=2 (data_parallel 1)" in out
     argv = calls(tmp_path)[0]["argv"]
-    assert (
-        argv[argv.index("--context-parallel") + 1] == "2" and argv[argv.index("--max-seq-len") + 1] == "32768"
-    )
+    assert argv[argv.index("--context-parallel") + 1] == "2" and argv[argv.index("--max-seq-len") + 1] == "32768"
     assert config_of(tmp_path)["context_parallel"] == 2 and config_of(tmp_path)["max_seq_len"] == 32768
 
 
@@ -195,17 +191,13 @@ def test_without_a_memory_plan_the_planner_still_checks_the_heads(tmp_path):
         tmp_path, {"target": host(tmp_path, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=3"
     )
     assert rc == 2, out[-3000:]
-    assert (
-        "context_parallel=3 cannot run this drafter: eagle3 plan: context_parallel=3 does not divide" in out
-    )
+    assert "context_parallel=3 cannot run this drafter: eagle3 plan: context_parallel=3 does not divide" in out
     assert "The service was not touched." in out and not (tmp_path / "train-target.yaml").exists()
     (call,) = calls(tmp_path)
     assert call["argv"][call["argv"].index("--context-parallel") + 1] == "3"
     again = tmp_path / "again"
     again.mkdir()
-    rc, out = run_plan(
-        again, {"target": host(again, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=2"
-    )
+    rc, out = run_plan(again, {"target": host(again, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=2")
     assert rc == 0, out[-3000:]
     assert config_of(again)["context_parallel"] == 2
 
@@ -236,10 +228,14 @@ def local_target(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "index.json").write_text("{}")
     return local_training_inventory(
-        tmp_path / "local.yml", eagle3_train_prefix=f"{tmp_path}/prefix", eagle3_train_config_dir=f"{tmp_path}/etc",
-        eagle3_train_run_dir=f"{tmp_path}/run", eagle3_train_data_dir=f"{tmp_path}/data",
-        eagle3_train_venv=f"{tmp_path}/venv", eagle3_train_nproc=2,
-    )  # fmt: skip
+        tmp_path / "local.yml",
+        eagle3_train_prefix=f"{tmp_path}/prefix",
+        eagle3_train_config_dir=f"{tmp_path}/etc",
+        eagle3_train_run_dir=f"{tmp_path}/run",
+        eagle3_train_data_dir=f"{tmp_path}/data",
+        eagle3_train_venv=f"{tmp_path}/venv",
+        eagle3_train_nproc=2,
+    )
 
 
 @pytest.mark.parametrize(

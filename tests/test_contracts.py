@@ -29,9 +29,7 @@ def test_exit_codes_of_the_target_side_are_the_trainers():
     names = [n for n in dir(errors) if n.startswith("EXIT_")]
     assert names, "eagle3.errors defines no EXIT_* codes"
     for name in names:
-        assert getattr(train_status, name, None) == getattr(errors, name), (
-            f"module_utils/train_status.{name} drifted"
-        )
+        assert getattr(train_status, name, None) == getattr(errors, name), f"module_utils/train_status.{name} drifted"
     extra = {n for n in dir(train_status) if n.startswith("EXIT_")} - set(names)
     assert not extra, f"module_utils/train_status defines exit codes the trainer does not: {extra}"
 
@@ -63,8 +61,7 @@ def test_the_unit_never_restarts_exactly_the_exits_a_restart_cannot_fix():
     assert declared_constants.trainer_constant("errors.EXIT_CONFIG") == errors.EXIT_CONFIG
     # A hang or a crash must restart (from the last checkpoint): never in the list.
     assert (
-        errors.EXIT_HANG not in train_status.NO_RESTART_EXITS
-        and errors.EXIT_CRASH not in train_status.NO_RESTART_EXITS
+        errors.EXIT_HANG not in train_status.NO_RESTART_EXITS and errors.EXIT_CRASH not in train_status.NO_RESTART_EXITS
     )
 
 
@@ -74,9 +71,7 @@ def test_the_unit_and_the_role_use_the_restart_records_one_name():
         "roles/eagle3_train/tasks/service.yml",
     ):
         text = (ROOT / path).read_text()
-        named = set(re.findall(r"(?:run_dir|state_dir)(?: \}\}| ~ ')/([\w.-]+\.json)", text)) - {
-            "status.json"
-        }
+        named = set(re.findall(r"(?:run_dir|state_dir)(?: \}\}| ~ ')/([\w.-]+\.json)", text)) - {"status.json"}
         assert restart_backoff.STATE_FILE in named, f"{path} names {named}"
         assert named <= {restart_backoff.STATE_FILE, launch.LAST_STOP_FILE}, f"{path} names {named}"
 
@@ -93,9 +88,7 @@ def test_the_launchers_stop_report_has_one_name():
 
 def test_the_tensorboard_folder_has_one_name():
     # eagle3.observe imports torch (absent from this venv): its declaration is read as text.
-    declared = re.search(
-        r'^TENSORBOARD_DIR = "([^"]+)"$', (ROOT / "training/eagle3/observe.py").read_text(), re.M
-    )
+    declared = re.search(r'^TENSORBOARD_DIR = "([^"]+)"$', (ROOT / "training/eagle3/observe.py").read_text(), re.M)
     assert declared, "eagle3.observe no longer declares TENSORBOARD_DIR"
     source = (ROOT / "library" / "train_report.py").read_text()
     assert f'TENSORBOARD_DIR = "{declared.group(1)}"' in source
@@ -135,9 +128,7 @@ def test_the_gpu_device_globs_have_one_declaration():
     constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
     assert constants.target_constant("procs.DEVICE_GLOBS") == procs.DEVICE_GLOBS
     defaults = (ROOT / "roles/gpu_cleanup/defaults/main.yml").read_text()
-    assert re.search(
-        r"""^gpu_cleanup_devices: "\{\{ 'procs\.DEVICE_GLOBS' \| target_constant \}\}"$""", defaults, re.M
-    )
+    assert re.search(r"""^gpu_cleanup_devices: "\{\{ 'procs\.DEVICE_GLOBS' \| target_constant \}\}"$""", defaults, re.M)
     specs = (ROOT / "roles/gpu_cleanup/meta/argument_specs.yml").read_text()
     bench = (ROOT / "bench/gpu_check.py").read_text()
     assert re.search(r"^from procs import DEVICE_GLOBS\b", bench, re.M)
@@ -158,10 +149,7 @@ def test_the_training_units_name_has_one_declaration():
         assert not re.search(r"default\s*=\s*[\"']eagle3-train", code), f"{path} restates the unit's name"
     assert (ROOT / "module_utils/restart_backoff.py").read_text().count('"eagle3-train.service"') == 1
     assert "default=DEFAULT_UNIT" in (ROOT / "library/train_report.py").read_text()
-    assert (
-        'post.add_argument("--unit", default=DEFAULT_UNIT)'
-        in (ROOT / "module_utils/restart_backoff.py").read_text()
-    )
+    assert 'post.add_argument("--unit", default=DEFAULT_UNIT)' in (ROOT / "module_utils/restart_backoff.py").read_text()
 
     constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
     assert constants.target_constant("restart_backoff.DEFAULT_UNIT") == unit
@@ -175,9 +163,7 @@ def test_the_training_units_name_has_one_declaration():
     summary = _load("roles/eagle3_train/filter_plugins/training_summary.py", "contract_training_summary")
     assert summary.default_unit() == unit
     code = (ROOT / "roles/eagle3_train/filter_plugins/training_summary.py").read_text()
-    assert not re.search(r"unit_name: str[^=]*=\s*[\"']eagle3-train", code), (
-        "the summary restates the unit's name"
-    )
+    assert not re.search(r"unit_name: str[^=]*=\s*[\"']eagle3-train", code), "the summary restates the unit's name"
 
 
 def test_the_controller_reads_the_trainers_length_block(monkeypatch):
@@ -187,24 +173,17 @@ def test_the_controller_reads_the_trainers_length_block(monkeypatch):
     constants = _load("plugins/filter/declared_constants.py", "contract_declared_constants")
     assert constants.trainer_constant("config.SEQ_BLOCK") == config.SEQ_BLOCK
     assert role_inputs.trainer() is config
-    assert (
-        role_inputs.role_input_errors({"eagle3_train_max_seq_len": str(config.SEQ_BLOCK * 3)}, "eagle3_train")
-        == []
-    )
+    assert role_inputs.role_input_errors({"eagle3_train_max_seq_len": str(config.SEQ_BLOCK * 3)}, "eagle3_train") == []
 
     # The filters follow the trainer's declaration: nothing on the controller side states the block or the rule.
     block = config.SEQ_BLOCK * 2
     monkeypatch.setattr(config, "SEQ_BLOCK", block)
     monkeypatch.setattr(bounds, "SEQ_BLOCK", block)
-    rule = config.Bound(
-        f"multiple of {block}", lambda v: v > 0 and v % block == 0, f"is not a multiple of {block}"
-    )
+    rule = config.Bound(f"multiple of {block}", lambda v: v > 0 and v % block == 0, f"is not a multiple of {block}")
     monkeypatch.setattr(config, "SEQ_MULTIPLE", rule)
     assert constants.trainer_constant("config.SEQ_BLOCK") == block
     errors = role_inputs.role_input_errors({"eagle3_train_max_seq_len": str(block * 3 // 2)}, "eagle3_train")
-    assert len(errors) == 1 and f"is not a multiple of {block}; try {block} or {block * 2}" in errors[0], (
-        errors
-    )
+    assert len(errors) == 1 and f"is not a multiple of {block}; try {block} or {block * 2}" in errors[0], errors
 
     plan = (ROOT / "roles/eagle3_train/tasks/plan.yml").read_text()
     assert "'eagle3_train__msl_chosen': 'config.SEQ_BLOCK' | trainer_constant" in plan
@@ -273,9 +252,7 @@ RULE_HOMES = {
         {"training/eagle3/options.py"},
     ),
     "the heads rule": (
-        re.compile(
-            r"num_heads\s*%|kv_heads\s*%|% *kv\b|divide its num_kv_heads|num_kv_heads or be a multiple"
-        ),
+        re.compile(r"num_heads\s*%|kv_heads\s*%|% *kv\b|divide its num_kv_heads|num_kv_heads or be a multiple"),
         {"training/eagle3/spec.py"},
     ),
 }

@@ -23,8 +23,17 @@ from module_utils import job_files, owned
 
 # variable -> well-formed values that name the wrong thing
 TABLE = {
-    "gpu_cleanup_sweep": [["/srv/userdata/*"], ["/*"], ["/etc/*"], ["/tmp/*"], ["/dev/shm/*"], ["/dev/shm/a*"],
-                          ["/dev/shm/nccl-*/x"], ["/home/alice/torch_*"], ["/var/tmp/../etc/*"]],
+    "gpu_cleanup_sweep": [
+        ["/srv/userdata/*"],
+        ["/*"],
+        ["/etc/*"],
+        ["/tmp/*"],
+        ["/dev/shm/*"],
+        ["/dev/shm/a*"],
+        ["/dev/shm/nccl-*/x"],
+        ["/home/alice/torch_*"],
+        ["/var/tmp/../etc/*"],
+    ],
     "eagle3_train_config_dir": ["/", "/etc", "/usr", "/var/lib", "/root", "/etc/systemd/system", "/usr/lib/x"],
     "eagle3_train_run_dir": ["/var", "/home", "/tmp", "/proc/1"],
     "eagle3_train_prefix": ["/opt", "/usr/local", "/bin"],
@@ -36,9 +45,15 @@ TABLE = {
     "eagle3_serve_export_dir": ["/var/lib", "/etc"],
     "eagle3_serve_venv": ["/usr"],
     "local_ct_lxcpath": ["/var/lib/lxc"],
-    "eagle3_train_env": [{"EAGLE3_JOB": "decoy"}, {"EAGLE3_STATUS_FILE": "/x"}, {"PYTHONPATH": "/tmp"},
-                         {"RANK": "0"}, {"TORCHELASTIC_RUN_ID": "x"}, {"GLOO_SOCKET_IFNAME": "eth0"}],
-}  # fmt: skip
+    "eagle3_train_env": [
+        {"EAGLE3_JOB": "decoy"},
+        {"EAGLE3_STATUS_FILE": "/x"},
+        {"PYTHONPATH": "/tmp"},
+        {"RANK": "0"},
+        {"TORCHELASTIC_RUN_ID": "x"},
+        {"GLOO_SOCKET_IFNAME": "eth0"},
+    ],
+}
 ROLE_OF = {name: next(r for r, table in ri.ROLE_VARIABLES.items() if name in table) for name in TABLE}
 
 
@@ -159,9 +174,7 @@ JOURNALD = "[Unit]\nDescription=Journal Service\n[Service]\nExecStart=/lib/syste
 def test_another_program_s_unit_is_never_written_started_or_stopped(systemctl_showing, tmp_path, capsys):
     unit, log = systemctl_showing(JOURNALD)
     res, rc = run_module("owned_paths", {"units": [{"var": "gpu_cleanup_unit", "unit": "x.service"}]}, capsys)
-    assert rc == 1 and res["problems"][0].startswith(
-        "gpu_cleanup_unit=x.service is a unit eagle3-pve did not write"
-    )
+    assert rc == 1 and res["problems"][0].startswith("gpu_cleanup_unit=x.service is a unit eagle3-pve did not write")
     # the cleanup module, called directly with that unit, refuses before any stop (in check mode too)
     (tmp_path / "run-systemd").mkdir()
     for check in (False, True):
@@ -192,9 +205,11 @@ def test_a_unit_is_the_project_s_only_when_its_file_says_so(systemctl_showing, t
 
 
 def test_the_unit_templates_carry_the_mark():
-    for template in ("roles/eagle3_train/templates/eagle3-train.service.j2",
-                     "roles/eagle3_datagen/templates/eagle3-datagen.service.j2",
-                     "roles/eagle3_serve/templates/eagle3-serve.service.j2"):  # fmt: skip
+    for template in (
+        "roles/eagle3_train/templates/eagle3-train.service.j2",
+        "roles/eagle3_datagen/templates/eagle3-datagen.service.j2",
+        "roles/eagle3_serve/templates/eagle3-serve.service.j2",
+    ):
         head = (ri.ROOT / template).read_text().splitlines()[:5]
         assert any(line.startswith(owned.UNIT_MARK) for line in head), template
 
@@ -207,9 +222,15 @@ def test_cleanup_and_train_refuse_the_table_before_touching_anything(inventory, 
     (victim / "keep").write_text("x")
     for playbook, values in (
         ("cleanup.yml", {"gpu_cleanup_sweep": [f"{victim}/*"], "gpu_cleanup_unit": "ok.service"}),
-        ("train.yml", {"eagle3_train_config_dir": "/etc", "eagle3_train_env": {"EAGLE3_JOB": "decoy"},
-                       "gpu_cleanup_sweep": ["/*"]}),
-    ):  # fmt: skip
+        (
+            "train.yml",
+            {
+                "eagle3_train_config_dir": "/etc",
+                "eagle3_train_env": {"EAGLE3_JOB": "decoy"},
+                "gpu_cleanup_sweep": ["/*"],
+            },
+        ),
+    ):
         proc = run(playbook, inventory, values)
         out = proc.stdout
         assert proc.returncode == 2 and "Nothing was changed" in out, out[-3000:]

@@ -24,16 +24,13 @@ SKIP_DIRS = {".git", "__pycache__", "node_modules"}
 def repo_files() -> list[Path]:
     """Tracked files (git ls-files); outside a git checkout, every file not under a dot-directory."""
     try:
-        out = subprocess.run(
-            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60
-        ).stdout
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
         names = [n for n in out.decode().split("\0") if n]
     except (OSError, subprocess.SubprocessError):
         names = [
             str(p.relative_to(ROOT))
             for p in ROOT.rglob("*")
-            if p.is_file()
-            and not any(part.startswith(".") or part in SKIP_DIRS for part in p.relative_to(ROOT).parts)
+            if p.is_file() and not any(part.startswith(".") or part in SKIP_DIRS for part in p.relative_to(ROOT).parts)
         ]
     # docs/ must be checked even before its files are committed.
     names += [str(p.relative_to(ROOT)) for p in DOCS.glob("*.md")]
@@ -139,9 +136,7 @@ def test_every_docs_citation_lands_on_a_file_and_a_heading():
             cited += 1
             why = broken(DOCS / match.group(1), match.group(2))
             if why:
-                problems.append(
-                    f"{path.relative_to(ROOT)}:{line_of(text, match.start())}: {match.group(0)}: {why}"
-                )
+                problems.append(f"{path.relative_to(ROOT)}:{line_of(text, match.start())}: {match.group(0)}: {why}")
     assert cited, "no file cites docs/<file>.md: the citations this test guards are gone"
     assert not problems, "broken citations of docs/:\n" + "\n".join(problems)
 
@@ -167,9 +162,7 @@ def test_the_anchor_rule_catches_a_renamed_heading(tmp_path):
 
 
 # A repository path of a source file, as docs/ cite them: `training/eagle3/plan/model.py`, `library/gpu_cleanup.py`.
-SOURCE_PATH = re.compile(
-    r"`((?:training|library|module_utils|roles|plugins|bin|bench|scripts|tests)/[\w./-]+\.\w+)`"
-)
+SOURCE_PATH = re.compile(r"`((?:training|library|module_utils|roles|plugins|bin|bench|scripts|tests)/[\w./-]+\.\w+)`")
 
 
 def test_every_source_file_the_docs_cite_exists():

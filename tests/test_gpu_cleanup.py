@@ -29,9 +29,27 @@ devices = job_fixtures.devices
 ROOT = Path(__file__).resolve().parent.parent
 FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 RESULT_KEYS = {
-    "changed", "targets", "protected", "terminated", "killed", "unkillable", "zombies", "rounds",
-    "holders_after", "protected_holders_after", "respawned", "respawn_window", "removed", "sweep_in_use", "sweep_kept", "sweep_errors", "unit", "gpu_memory", "elapsed", "msg",
-}  # fmt: skip
+    "changed",
+    "targets",
+    "protected",
+    "terminated",
+    "killed",
+    "unkillable",
+    "zombies",
+    "rounds",
+    "holders_after",
+    "protected_holders_after",
+    "respawned",
+    "respawn_window",
+    "removed",
+    "sweep_in_use",
+    "sweep_kept",
+    "sweep_errors",
+    "unit",
+    "gpu_memory",
+    "elapsed",
+    "msg",
+}
 
 
 def load_module():
@@ -151,9 +169,18 @@ def test_term_honouring_job_stops_with_term_alone(jobs, devices, args, capsys, t
 
 def test_torchrun_like_tree_stops_through_the_agent(jobs, devices, args, capsys, tmp_path):
     tree = jobs.start(
-        "--workers", "2", "--grandchild", "--forward-term", "--agent-name", "pt_elastic",
-        "--hold", devices["nvidia0"], "--on-term-write", str(tmp_path / "ckpt"), expect=5,
-    )  # fmt: skip
+        "--workers",
+        "2",
+        "--grandchild",
+        "--forward-term",
+        "--agent-name",
+        "pt_elastic",
+        "--hold",
+        devices["nvidia0"],
+        "--on-term-write",
+        str(tmp_path / "ckpt"),
+        expect=5,
+    )
     out = run(args, capsys)
     assert not out.get("failed"), out["msg"]
     assert pids(out["targets"]) == {tree.pid(r) for r in tree.roles}
@@ -254,9 +281,7 @@ def test_unkillable_process_fails_with_list_and_hint(jobs, devices, args, capsys
     monkeypatch.setattr(module_proc_stop, "describe", describe)
     out = run(dict(args, term_timeout=0.3, kill_timeout=0.3, timeout=5), capsys)
     assert out["failed"] is True and out["elapsed"] < 30  # gives up at the budget, never hangs
-    assert out["unkillable"] == [
-        {"pid": job.pid(), "name": "pt_stuck", "state": "D", "wchan": "nv_wait_event"}
-    ]
+    assert out["unkillable"] == [{"pid": job.pid(), "name": "pt_stuck", "state": "D", "wchan": "nv_wait_event"}]
     assert f"pid={job.pid()} name=pt_stuck state=D wchan=nv_wait_event" in out["msg"]
     assert "no signal from inside the container helps" in out["msg"] and "Proxmox node" in out["msg"]
     assert job.alive()  # reported, not hidden
@@ -310,15 +335,11 @@ def test_doctests():
 
 
 @pytest.mark.parametrize("written_during_the_stop", [True, False])
-def test_a_stop_that_escalated_is_named_in_the_summary(
-    args, capsys, tmp_path, monkeypatch, written_during_the_stop
-):
+def test_a_stop_that_escalated_is_named_in_the_summary(args, capsys, tmp_path, monkeypatch, written_during_the_stop):
     """The job's launcher writes last-stop.json when it had to SIGKILL a worker; a report from an earlier stop is
     not news."""
     report = tmp_path / "last-stop.json"
-    message = (
-        "workers ignored SIGTERM for 60 s: rank 1 (pid 4242) got SIGKILL; 3 step(s) since the last checkpoint"
-    )
+    message = "workers ignored SIGTERM for 60 s: rank 1 (pid 4242) got SIGKILL; 3 step(s) since the last checkpoint"
 
     def stop_unit(unit, timeout):
         when = time.time() if written_during_the_stop else time.time() - 3600
@@ -335,13 +356,23 @@ def test_a_stop_that_escalated_is_named_in_the_summary(
         assert out["unit"]["escalation"] is None and "escalated" not in out["msg"]
 
 
-def test_a_holder_that_comes_back_is_named_with_what_starts_it_and_the_cleanup_fails(
-    jobs, devices, args, capsys
-):
+def test_a_holder_that_comes_back_is_named_with_what_starts_it_and_the_cleanup_fails(jobs, devices, args, capsys):
     # A supervisor (not part of the job: no marker, holds nothing) restarts its GPU-holding worker a second after
     # each kill, as a `while true` loop or a Restart=always service would.
-    job = jobs.start("--workers", "1", "--hold", devices["nvidia0"], "--respawn", "50", "--respawn-delay", "1",
-                     "--agent-name", "gpu-hogd", marker=None, expect=1)  # fmt: skip
+    job = jobs.start(
+        "--workers",
+        "1",
+        "--hold",
+        devices["nvidia0"],
+        "--respawn",
+        "50",
+        "--respawn-delay",
+        "1",
+        "--agent-name",
+        "gpu-hogd",
+        marker=None,
+        expect=1,
+    )
     first = job.pid("worker0")
     out = run({**args, "respawn_window": 4}, capsys)
     assert out["failed"], out
@@ -351,10 +382,7 @@ def test_a_holder_that_comes_back_is_named_with_what_starts_it_and_the_cleanup_f
     assert back["parents"][0]["pid"] == job.pid("agent") and back["parents"][0]["name"] == "gpu-hogd"
     msg = out["msg"]
     assert "a GPU holder came back within 4 s of the cleanup" in msg
-    assert (
-        f"started by its parent pid {job.pid('agent')} gpu-hogd" in msg
-        and "the GPUs were not called free" in msg
-    )
+    assert f"started by its parent pid {job.pid('agent')} gpu-hogd" in msg and "the GPUs were not called free" in msg
     assert job.alive("agent")  # what starts it is named, never signalled: it is not the job's
 
 

@@ -57,13 +57,9 @@ def test_idle_gpus_are_not_starved(capsys, smi):
 def test_hanging_tool_is_reported_and_can_fail(capsys, smi):
     smi("hang")
     out = run({"timeout": 0.5}, capsys)
-    assert (
-        out["ansible_facts"]["gpus"] == [] and "did not answer" in out["ansible_facts"]["gpu_query"]["error"]
-    )
+    assert out["ansible_facts"]["gpus"] == [] and "did not answer" in out["ansible_facts"]["gpu_query"]["error"]
     out = run({"timeout": 0.5, "fail_on_error": True}, capsys)
-    assert out["failed"] is True and out["msg"].startswith(
-        "cannot read the GPUs: nvidia-smi timed out after 0.5 s"
-    )
+    assert out["failed"] is True and out["msg"].startswith("cannot read the GPUs: nvidia-smi timed out after 0.5 s")
 
 
 def test_bad_timeout_is_named(capsys):

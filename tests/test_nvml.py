@@ -49,8 +49,11 @@ def test_hanging_nvidia_smi_is_cut_off(smi_mode):
 def test_no_devices_is_no_error_but_mismatch_is(smi_mode):
     smi_mode("nodev")
     assert nvml.query_gpus(smi=FAKE_SMI, pynvml=None) == {
-        "source": "nvidia-smi", "gpus": [], "driver_version": None, "error": None,
-    }  # fmt: skip
+        "source": "nvidia-smi",
+        "gpus": [],
+        "driver_version": None,
+        "error": None,
+    }
     smi_mode("mismatch")
     out = nvml.query_gpus(smi=FAKE_SMI, pynvml=None)
     assert "Driver/library version mismatch" in out["error"]

@@ -61,9 +61,14 @@ def test_local_node_runs_argv_unchanged(node):
 
 @pytest.mark.parametrize(
     ("node", "user", "named"),
-    [("-oProxyCommand=touch /tmp/x", "", "pct_node"), ("pve1", "-oProxyCommand=id", "pct_node_user"),
-     ("pve1 -p 22", "root", "pct_node"), ("pve1", "root@evil", "pct_node_user"), ("-pve", "root", "pct_node")],
-)  # fmt: skip
+    [
+        ("-oProxyCommand=touch /tmp/x", "", "pct_node"),
+        ("pve1", "-oProxyCommand=id", "pct_node_user"),
+        ("pve1 -p 22", "root", "pct_node"),
+        ("pve1", "root@evil", "pct_node_user"),
+        ("-pve", "root", "pct_node"),
+    ],
+)
 def test_a_node_or_user_that_ssh_would_read_as_an_option_is_refused_naming_it(node, user, named):
     with pytest.raises(AnsibleError, match=f"^{named}="):
         pct.node_argv(node, user, "ssh", "", ["pct", "status", "129"])
@@ -213,9 +218,21 @@ def test_a_module_task_is_one_pct_exec_when_pipelining(fake_pct, tmp_path, pipel
     """A real ansible run through the plugin: pipelined by default (one exec per task), several execs without."""
     script, log = fake_pct
     argv = [
-        str(Path(sys.executable).parent / "ansible"), "all", "-i", "ct129,", "-c", "pct", "-m", "ansible.builtin.ping",
-        "-e", "pct_vmid=129", "-e", f"pct_command={script}", "-e", f"ansible_python_interpreter={sys.executable}",
-    ]  # fmt: skip
+        str(Path(sys.executable).parent / "ansible"),
+        "all",
+        "-i",
+        "ct129,",
+        "-c",
+        "pct",
+        "-m",
+        "ansible.builtin.ping",
+        "-e",
+        "pct_vmid=129",
+        "-e",
+        f"pct_command={script}",
+        "-e",
+        f"ansible_python_interpreter={sys.executable}",
+    ]
     if pipelining is not None:
         argv += ["-e", f"ansible_pipelining={pipelining}"]
     env = {
@@ -286,10 +303,16 @@ def test_ssh_gets_a_control_path_and_a_connect_timeout_by_default(fake_pct, fake
     [
         ({"pct_ssh_connect_timeout": 3}, ["-o", "ControlPath={cp}/{socket}", "-o", "ConnectTimeout=3"]),
         ({"pct_ssh_connect_timeout": 0, "pct_ssh_control_path": "none"}, []),
-        ({"pct_ssh_control_path": "/run/cp/%h", "pct_ssh_connect_timeout": 5}, ["-o", "ControlPath=/run/cp/%h", "-o", "ConnectTimeout=5"]),
-        ({"pct_ssh_control_path_dir": "{tmp}/sockets", "pct_ssh_connect_timeout": 5}, ["-o", "ControlPath={tmp}/sockets/{socket}", "-o", "ConnectTimeout=5"]),
+        (
+            {"pct_ssh_control_path": "/run/cp/%h", "pct_ssh_connect_timeout": 5},
+            ["-o", "ControlPath=/run/cp/%h", "-o", "ConnectTimeout=5"],
+        ),
+        (
+            {"pct_ssh_control_path_dir": "{tmp}/sockets", "pct_ssh_connect_timeout": 5},
+            ["-o", "ControlPath={tmp}/sockets/{socket}", "-o", "ConnectTimeout=5"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_ssh_control_path_and_timeout_are_options(fake_pct, fake_ssh, tmp_path, own_home, extra, expected):
     script, _ = fake_pct
     fill = {
@@ -298,9 +321,7 @@ def test_ssh_control_path_and_timeout_are_options(fake_pct, fake_ssh, tmp_path, 
         "socket": pct.control_socket_name("root", "pve1", "-o BatchMode=yes"),
     }
     extra = {k: v.format(**fill) if isinstance(v, str) else v for k, v in extra.items()}
-    conn = make_connection(
-        script, node="pve1", ssh_executable=fake_ssh, pct_ssh_args="-o BatchMode=yes", **extra
-    )
+    conn = make_connection(script, node="pve1", ssh_executable=fake_ssh, pct_ssh_args="-o BatchMode=yes", **extra)
     assert conn.exec_command("true")[0] == 0
     (argv,) = ssh_calls(tmp_path)
     assert argv[2:-3] == [part.format(**fill) for part in expected]
@@ -310,9 +331,7 @@ def test_ssh_control_path_and_timeout_are_options(fake_pct, fake_ssh, tmp_path, 
 def dead_ssh(tmp_path):
     """An `ssh` whose node does not answer: ssh's own failure, exit code 255."""
     script = tmp_path / "dead-ssh"
-    script.write_text(
-        "#!/bin/sh\necho 'ssh: connect to host pve1 port 22: Connection timed out' >&2\nexit 255\n"
-    )
+    script.write_text("#!/bin/sh\necho 'ssh: connect to host pve1 port 22: Connection timed out' >&2\nexit 255\n")
     script.chmod(0o755)
     return script
 
@@ -329,9 +348,7 @@ def test_ssh_failure_is_a_connection_failure_for_every_operation(fake_pct, dead_
         lambda: conn.put_file(str(src), "/tmp/x"),
         lambda: conn.fetch_file("/etc/hostname", str(tmp_path / "back")),
     ):
-        with pytest.raises(
-            AnsibleConnectionFailure, match=r"ssh to root@pve1 failed \(exit 255\).*timed out"
-        ):
+        with pytest.raises(AnsibleConnectionFailure, match=r"ssh to root@pve1 failed \(exit 255\).*timed out"):
             call()
 
 
@@ -344,9 +361,18 @@ def test_exit_255_is_an_ordinary_result_on_a_local_node(fake_pct):
 def test_unreachable_node_is_reported_unreachable_by_ansible(fake_pct, dead_ssh, tmp_path):
     script, _ = fake_pct
     run = run_ansible(
-        tmp_path, "-m", "ansible.builtin.ping", "-e", "pct_vmid=129", "-e", "pct_node=pve1",
-        "-e", f"pct_ssh_executable={dead_ssh}", "-e", f"pct_command={script}",
-    )  # fmt: skip
+        tmp_path,
+        "-m",
+        "ansible.builtin.ping",
+        "-e",
+        "pct_vmid=129",
+        "-e",
+        "pct_node=pve1",
+        "-e",
+        f"pct_ssh_executable={dead_ssh}",
+        "-e",
+        f"pct_command={script}",
+    )
     assert run.returncode == 4, run.stdout + run.stderr  # 4: a host was unreachable
     assert "UNREACHABLE!" in run.stdout and "Connection timed out" in run.stdout, run.stdout
 
@@ -468,11 +494,7 @@ def test_local_pct_does_not_get_the_controllers_secrets(fake_pct, monkeypatch):
     assert rc == 0
     env = dict(line.split("=", 1) for line in out.decode().splitlines() if "=" in line)
     assert "s3cret" not in out.decode()
-    assert (
-        env["LC_TIME"] == "C.UTF-8"
-        and env["PATH"] == os.environ["PATH"]
-        and env["HOME"] == os.environ["HOME"]
-    )
+    assert env["LC_TIME"] == "C.UTF-8" and env["PATH"] == os.environ["PATH"] and env["HOME"] == os.environ["HOME"]
 
 
 @pytest.fixture
@@ -502,9 +524,13 @@ def pct_local(*args, env=None):
 
 @pytest.mark.parametrize(
     ("options", "attach_flag"),
-    [([], "--keep-env"), (["--keep-env", "1"], "--keep-env"), (["--keep-env", "0"], "--clear-env"),
-     (["--keep-env", "false"], "--clear-env")],
-)  # fmt: skip
+    [
+        ([], "--keep-env"),
+        (["--keep-env", "1"], "--keep-env"),
+        (["--keep-env", "0"], "--clear-env"),
+        (["--keep-env", "false"], "--clear-env"),
+    ],
+)
 def test_pct_local_exec_handles_the_environment_as_pct_exec_does(fake_lxc, options, attach_flag):
     """pve-container's `pct exec`: --keep-env (default 1) -> lxc-attach --keep-env, 0 -> --clear-env; it drops
     SSL_CERT_FILE and SSL_CERT_DIR and sets nothing itself."""
@@ -529,9 +555,17 @@ def test_become_root_runs_nothing_extra_in_the_container(fake_pct, tmp_path):
     """pct exec is root in the CT already: become (to root) adds no sudo there, and the task still works."""
     script, log = fake_pct
     run = run_ansible(
-        tmp_path, "-m", "ansible.builtin.ping", "-b", "-e", "pct_vmid=129", "-e", f"pct_command={script}",
-        "-e", f"ansible_python_interpreter={sys.executable}",
-    )  # fmt: skip
+        tmp_path,
+        "-m",
+        "ansible.builtin.ping",
+        "-b",
+        "-e",
+        "pct_vmid=129",
+        "-e",
+        f"pct_command={script}",
+        "-e",
+        f"ansible_python_interpreter={sys.executable}",
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert '"ping": "pong"' in run.stdout
     calls = log.read_text().splitlines()

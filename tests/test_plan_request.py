@@ -49,9 +49,7 @@ GPUS = [
 def test_plan_memory_decides_as_plan_yml_did(configured, gpus, cfg):
     got = pr.plan_memory(configured, gpus, {"lr": 0.001}, cfg)
     assert str(got["gb"]) == ENV.from_string(OLD_GB).render(configured=configured, gpus=gpus).strip()
-    assert (
-        got["source"] == ENV.from_string(OLD_SOURCE).render(configured=configured, gpus=gpus, cfg=cfg).strip()
-    )
+    assert got["source"] == ENV.from_string(OLD_SOURCE).render(configured=configured, gpus=gpus, cfg=cfg).strip()
 
 
 def test_plan_memory_names_each_source():
@@ -67,9 +65,7 @@ def test_plan_memory_names_each_source():
     assert pr.plan_memory(0, None, None, None) == {"gb": 0, "source": ""}
 
 
-@pytest.mark.parametrize(
-    ("world_size", "nnodes", "nproc"), [(2, 1, 2), ("4", "2", "2"), (3, 2, 2), (1, 1, 1)]
-)
+@pytest.mark.parametrize(("world_size", "nnodes", "nproc"), [(2, 1, 2), ("4", "2", "2"), (3, 2, 2), (1, 1, 1)])
 @pytest.mark.parametrize("memory_gb", [0, 1.6, 95.59])
 @pytest.mark.parametrize("msl", ["auto", "16384"])
 @pytest.mark.parametrize("gpus", [[], GPUS[1]])

@@ -189,10 +189,19 @@ def test_train_names_every_bad_variable_with_its_value_and_what_is_allowed(inven
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [case for case in BAD_TRAIN_INPUTS if case[0].split("=")[0] in (
-        "eagle3_train_synth_if_missing", "eagle3_train_cpu_workers", "eagle3_train_plan_memory_gb",
-        "eagle3_train_data_dir", "eagle3_train_synth_if_mising")],
-)  # fmt: skip
+    [
+        case
+        for case in BAD_TRAIN_INPUTS
+        if case[0].split("=")[0]
+        in (
+            "eagle3_train_synth_if_missing",
+            "eagle3_train_cpu_workers",
+            "eagle3_train_plan_memory_gb",
+            "eagle3_train_data_dir",
+            "eagle3_train_synth_if_mising",
+        )
+    ],
+)
 def test_train_rejects_one_bad_variable_before_touching_the_ct(inventory, extra, message):
     proc = run("train.yml", inventory, "max_seq_len=16384", extra)
     out = " ".join(proc.stdout.split())
@@ -227,14 +236,16 @@ def local_target(tmp_path):
     """The training host is this machine (local connection) with every path under tmp_path; the runs use --check,
     so even a validation that let something through could not change anything here."""
     return local_training_inventory(
-        tmp_path / "local.yml", eagle3_train_prefix=f"{tmp_path}/prefix", eagle3_train_config_dir=f"{tmp_path}/etc",
-        eagle3_train_run_dir=f"{tmp_path}/run", eagle3_train_venv=f"{tmp_path}/venv", eagle3_train_venv_provided=False,
-    )  # fmt: skip
+        tmp_path / "local.yml",
+        eagle3_train_prefix=f"{tmp_path}/prefix",
+        eagle3_train_config_dir=f"{tmp_path}/etc",
+        eagle3_train_run_dir=f"{tmp_path}/run",
+        eagle3_train_venv=f"{tmp_path}/venv",
+        eagle3_train_venv_provided=False,
+    )
 
 
-@pytest.mark.parametrize(
-    "synth", [None, "eagle3_train_synth_if_missing=false", "eagle3_train_synth_if_missing=NO"]
-)
+@pytest.mark.parametrize("synth", [None, "eagle3_train_synth_if_missing=false", "eagle3_train_synth_if_missing=NO"])
 def test_train_fails_on_a_data_dir_without_a_dataset(local_target, tmp_path, synth):
     data_dir = tmp_path / "dta"  # a typo of data/
     extra = [f"eagle3_train_data_dir={data_dir}"] + ([synth] if synth else [])
@@ -252,14 +263,11 @@ def test_train_fails_on_a_data_dir_without_a_dataset(local_target, tmp_path, syn
 
 def test_train_says_when_the_directory_exists_but_holds_no_dataset(local_target, tmp_path):
     (tmp_path / "data").mkdir()
-    proc = run(
-        "train.yml", local_target, "max_seq_len=16384", "--check", f"eagle3_train_data_dir={tmp_path}/data"
-    )
+    proc = run("train.yml", local_target, "max_seq_len=16384", "--check", f"eagle3_train_data_dir={tmp_path}/data")
     out = " ".join(proc.stdout.split())
     assert proc.returncode == 2, proc.stdout[-3000:]
     assert (
-        f"eagle3_train_data_dir={tmp_path}/data holds no dataset on ct-local (the directory has no index.json)"
-        in out
+        f"eagle3_train_data_dir={tmp_path}/data holds no dataset on ct-local (the directory has no index.json)" in out
     )
 
 
@@ -285,17 +293,12 @@ def test_provision_rejects_bad_ct_arguments(inventory, tmp_path, extra, message)
     assert not any((tmp_path / "lxc").iterdir()) and not (tmp_path / "standin").exists()
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not Path("/usr/bin/mmdebstrap").exists(), reason="needs root and mmdebstrap"
-)
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/mmdebstrap").exists(), reason="needs root and mmdebstrap")
 def test_provision_explains_a_rootfs_that_cannot_be_built(inventory, tmp_path):
     # Port 9 (discard) on loopback: nothing listens, so the mirror refuses at once. No traffic leaves the machine.
     proc = run("provision.yml", inventory, "local_ct_mirror=http://127.0.0.1:9/debian")
     out = " ".join(proc.stdout.split())
     assert proc.returncode == 2, proc.stdout[-3000:]
-    assert (
-        "Could not build the CT root file system" in out
-        and "local_ct_mirror=http://127.0.0.1:9/debian" in out
-    )
+    assert "Could not build the CT root file system" in out and "local_ct_mirror=http://127.0.0.1:9/debian" in out
     assert "Nothing was created" in out
     assert not list(tmp_path.glob("rootfs*")) and not any((tmp_path / "lxc").iterdir())

@@ -137,9 +137,7 @@ def test_send_signal_refuses_a_reused_pid(jobs):
 def test_term_honouring_job_stops_with_term_alone_and_saves(jobs, devices, tmp_path):
     job = jobs.start("--hold", devices["nvidia0"], "--on-term-write", str(tmp_path / "ckpt"))
     started = time.monotonic()
-    out = proc_stop.terminate(
-        sel(devices, marker=MARKER), proc_stop.Budget(term=60, kill=3, stop=1, total=120)
-    )
+    out = proc_stop.terminate(sel(devices, marker=MARKER), proc_stop.Budget(term=60, kill=3, stop=1, total=120))
     assert time.monotonic() - started < 20  # polled, not slept for the 60 s grace
     assert out["terminated"] == [job.pid()] and out["killed"] == [] and out["unkillable"] == []
     assert (tmp_path / f"ckpt.main.{job.pid()}").read_text() == "checkpoint\n"
@@ -157,9 +155,7 @@ def test_term_ignoring_job_is_killed_after_the_grace_period(jobs, devices):
 
 def test_respawned_workers_are_caught_by_the_rescan(jobs, devices):
     # An agent that ignores TERM and restarts dead workers, like torchrun with --max-restarts.
-    tree = jobs.start(
-        "--workers", "2", "--respawn", "6", "--ignore-term", "--hold", devices["nvidia0"], expect=3
-    )
+    tree = jobs.start("--workers", "2", "--respawn", "6", "--ignore-term", "--hold", devices["nvidia0"], expect=3)
     out = proc_stop.terminate(sel(devices, marker=MARKER), proc_stop.Budget(term=0.3, kill=3, total=20))
     assert out["unkillable"] == []
     assert not tree.alive("agent")
@@ -254,9 +250,7 @@ def test_stop_unit_through_systemctl(
     assert time.monotonic() - started < 20  # bounded at 1 s, never the 60 s a hung stop takes
     assert (out["state"], out["stopped"]) == (expect_state, expect_stopped)
     assert ("stop eagle3-train.service" in (tmp_path / "log").read_text()) == stop_called
-    no_systemd = proc_stop.stop_unit(
-        "eagle3-train.service", 1.0, systemctl=str(fake), run_dir=str(tmp_path / "none")
-    )
+    no_systemd = proc_stop.stop_unit("eagle3-train.service", 1.0, systemctl=str(fake), run_dir=str(tmp_path / "none"))
     assert no_systemd["state"] == "no-systemd"
 
 
@@ -269,9 +263,7 @@ def test_prestart_guard_cli(jobs, devices):
     ok = run_guard("holders", "--devices", *devices.globs)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     holder = jobs.start("--hold", devices["nvidia0"], "--name", "pt_data_worker", marker=None)
-    busy = run_guard(
-        "holders", "--devices", *devices.globs, "--exclude-cgroup-of-unit", "eagle3-train.service"
-    )
+    busy = run_guard("holders", "--devices", *devices.globs, "--exclude-cgroup-of-unit", "eagle3-train.service")
     assert busy.returncode == 1
     assert f"pid={holder.pid()} name=pt_data_worker paths={devices['nvidia0']}" in busy.stdout
     allowed = run_guard("holders", "--devices", *devices.globs, "--protect", "pt_data_*")

@@ -20,15 +20,11 @@ from ansible.errors import AnsibleFilterError
 from pve_fixtures import ROOT, load_file_module, run_module
 
 host_facts = load_file_module("pve_gpu_host_facts", ROOT / "roles/pve_gpu_host/library/pve_gpu_host_facts.py")
-userspace = load_file_module(
-    "nvidia_userspace_facts", ROOT / "roles/gpu_userspace/library/nvidia_userspace_facts.py"
-)
+userspace = load_file_module("nvidia_userspace_facts", ROOT / "roles/gpu_userspace/library/nvidia_userspace_facts.py")
 pve_gpu = load_file_module("pve_gpu_filter", ROOT / "roles/pve_gpu_container/filter_plugins/pve_gpu.py")
 
 
-def fake_node(
-    root, version="570.144", gpus=(0, 1, 10), control=("nvidiactl",), bins=("nvidia-modprobe",), units=()
-):
+def fake_node(root, version="570.144", gpus=(0, 1, 10), control=("nvidiactl",), bins=("nvidia-modprobe",), units=()):
     """A node tree: /sys/module/nvidia/version, /dev/nvidia*, binaries and units (regular files stand in)."""
     if version is not None:
         (root / "sys/module/nvidia").mkdir(parents=True)
@@ -64,9 +60,7 @@ def test_facts_of_a_node_before_the_uvm_unit_ran(tmp_path, capsys):
     assert facts["pve_gpu_host_control_devices"] == ["/dev/nvidiactl"]
     assert facts["pve_gpu_host_missing_control_devices"] == ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
     assert facts["pve_gpu_host_nvidia_modprobe_path"] == "/usr/bin/nvidia-modprobe"
-    assert (
-        facts["pve_gpu_host_persistenced_path"] == "" and facts["pve_gpu_host_persistenced_unit_path"] == ""
-    )
+    assert facts["pve_gpu_host_persistenced_path"] == "" and facts["pve_gpu_host_persistenced_unit_path"] == ""
 
 
 def test_facts_after_uvm_nodes_persistenced_and_mig_caps(tmp_path, capsys):
@@ -90,10 +84,7 @@ def test_facts_after_uvm_nodes_persistenced_and_mig_caps(tmp_path, capsys):
 
 def test_rdma_nodes_are_listed_when_the_node_has_them(tmp_path, capsys):
     fake_node(tmp_path)
-    assert (
-        run_module(host_facts, dict(root=str(tmp_path)), capsys)["ansible_facts"]["pve_gpu_host_rdma_devices"]
-        == []
-    )
+    assert run_module(host_facts, dict(root=str(tmp_path)), capsys)["ansible_facts"]["pve_gpu_host_rdma_devices"] == []
     (tmp_path / "dev/infiniband").mkdir()
     for name in ("uverbs1", "uverbs0", "rdma_cm", "umad0", "issm0"):
         (tmp_path / "dev/infiniband" / name).write_text("")
@@ -104,9 +95,7 @@ def test_rdma_nodes_are_listed_when_the_node_has_them(tmp_path, capsys):
         "/dev/infiniband/rdma_cm",
     ]
     # passed through after the GPUs and control nodes, as plain devN paths
-    devices = pve_gpu.pve_gpu_devices(
-        facts["pve_gpu_host_gpu_devices"], [0], extra=facts["pve_gpu_host_rdma_devices"]
-    )
+    devices = pve_gpu.pve_gpu_devices(facts["pve_gpu_host_gpu_devices"], [0], extra=facts["pve_gpu_host_rdma_devices"])
     assert [d["path"] for d in devices][-3:] == facts["pve_gpu_host_rdma_devices"]
 
 
@@ -150,9 +139,7 @@ def run_role_play(root):
             """
         )
     )
-    env = dict(
-        os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"), ANSIBLE_FORCE_COLOR="false", ANSIBLE_NOCOLOR="1"
-    )
+    env = dict(os.environ, ANSIBLE_ROLES_PATH=str(ROOT / "roles"), ANSIBLE_FORCE_COLOR="false", ANSIBLE_NOCOLOR="1")
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "ansible-playbook"),
         "-i",
@@ -162,9 +149,7 @@ def run_role_play(root):
         "-e",
         f"ansible_python_interpreter={sys.executable}",
         "-e",
-        json.dumps(
-            dict(pve_gpu_host_root=str(root), pve_gpu_host_uvm_unit=False, pve_gpu_host_persistenced=False)
-        ),
+        json.dumps(dict(pve_gpu_host_root=str(root), pve_gpu_host_uvm_unit=False, pve_gpu_host_persistenced=False)),
         str(playbook),
     ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
@@ -248,10 +233,7 @@ def test_after_a_host_upgrade_the_mismatch_is_visible(tmp_path, capsys):
     facts = run_module(userspace, args, capsys)["ansible_facts"]
     assert facts["gpu_userspace_installed_versions"] == ["565.57.01"]
     assert facts["gpu_userspace_smi_version"] == ""
-    assert (
-        "exited 18" in facts["gpu_userspace_smi_error"]
-        and "version mismatch" in facts["gpu_userspace_smi_error"]
-    )
+    assert "exited 18" in facts["gpu_userspace_smi_error"] and "version mismatch" in facts["gpu_userspace_smi_error"]
 
 
 def test_missing_userspace(tmp_path, capsys):

@@ -31,11 +31,7 @@ pve_lxc = load_file_module("pve_lxc", ROOT / "library" / "pve_lxc.py")
 
 def writes(pve):
     """The changing requests the fake received (logins left out)."""
-    return [
-        (m, p)
-        for m, p, _ in pve.requests
-        if m in ("POST", "PUT", "DELETE") and not p.endswith("/access/ticket")
-    ]
+    return [(m, p) for m, p, _ in pve.requests if m in ("POST", "PUT", "DELETE") and not p.endswith("/access/ticket")]
 
 
 def run(pve, cafile, capsys, check_mode=False, auth=None, **spec):
@@ -167,9 +163,7 @@ def test_check_mode_diff_names_the_change_and_predicts_the_restart(running_ct, p
 
 
 def test_check_mode_with_restart_never_predicts_restart_required(running_ct, pve, fakepve_cafile, capsys):
-    result = run(
-        pve, fakepve_cafile, capsys, check_mode=True, state="started", devices=GPU_NODES[1:], restart="never"
-    )
+    result = run(pve, fakepve_cafile, capsys, check_mode=True, state="started", devices=GPU_NODES[1:], restart="never")
     assert result["restart_required"] and result["pending"] == ["dev0"] and not result["restarted"]
 
 
@@ -195,9 +189,7 @@ def test_check_mode_sees_pending_changes_already_on_the_ct_and_predicts_the_rebo
     assert predicted(check) == predicted(real)
 
 
-def test_check_mode_keeps_pending_changes_it_does_not_touch_with_restart_never(
-    running_ct, pve, fakepve_cafile, capsys
-):
+def test_check_mode_keeps_pending_changes_it_does_not_touch_with_restart_never(running_ct, pve, fakepve_cafile, capsys):
     devices = [*GPU_NODES[:-1], {"path": "/dev/nvidia-uvm-tools", "mode": "0660"}]
     run(pve, fakepve_cafile, capsys, state="started", devices=devices, restart="never")
     spec = dict(state="started", devices=devices, memory=24576, restart="never")
@@ -277,9 +269,7 @@ def test_the_api_itself_refuses_devices_to_a_token_with_permissions_on(running_c
 
 def token_auth(pve, cafile, token="root@pam!ansible", secret="s3"):
     pve.apitokens[token] = secret
-    return dict(
-        api_host=pve.host, api_port=pve.port, api_token_id=token, api_token_secret=secret, ca_path=cafile
-    )
+    return dict(api_host=pve.host, api_port=pve.port, api_token_id=token, api_token_secret=secret, ca_path=cafile)
 
 
 def test_token_may_not_change_feature_flags_other_than_nesting_not_even_in_check_mode(
@@ -306,15 +296,11 @@ def test_token_may_not_change_feature_flags_other_than_nesting_not_even_in_check
 
 
 def test_token_may_not_change_feature_flags_of_a_privileged_ct(pve, fakepve_cafile, capsys):
-    pve.add_ct(
-        129, "train129", node="pve1", status="stopped", config={"unprivileged": 0, "dev0": "/dev/nvidia0"}
-    )
+    pve.add_ct(129, "train129", node="pve1", status="stopped", config={"unprivileged": 0, "dev0": "/dev/nvidia0"})
     auth = token_auth(pve, fakepve_cafile)
     pve.grant("audit@pve", "/", "VM.Audit")
     result = run(pve, fakepve_cafile, capsys, check_mode=True, auth=auth, devices=None, unprivileged=None)
-    assert (
-        result.get("failed") and "for privileged container is only allowed for root@pam" in result["msg"]
-    ), result
+    assert result.get("failed") and "for privileged container is only allowed for root@pam" in result["msg"], result
 
 
 def test_nesting_needs_vm_allocate_and_the_message_names_it(running_ct, pve, fakepve_cafile, capsys):
@@ -408,11 +394,7 @@ def test_digest_stale_twice_fails_clearly(running_ct, pve, fakepve_cafile, capsy
 
     monkeypatch.setattr(pve_ct.CtRun, "read_config", always_racing)
     result = run(pve, fakepve_cafile, capsys, state="started", cores=6)
-    assert (
-        result["failed"]
-        and "changed under us twice" in result["msg"]
-        and "detected modified" in result["msg"]
-    )
+    assert result["failed"] and "changed under us twice" in result["msg"] and "detected modified" in result["msg"]
     assert running_ct.config["cores"] == 8
 
 
@@ -420,11 +402,7 @@ def test_locked_ct_fails_before_any_change(running_ct, pve, fakepve_cafile, caps
     pve.snapshot_lock(129, "backup")
     before = len(writes(pve))
     result = run(pve, fakepve_cafile, capsys, state="started", memory=4096)
-    assert (
-        result["failed"]
-        and "CT 129 is locked (backup)" in result["msg"]
-        and "pct unlock 129" in result["msg"]
-    )
+    assert result["failed"] and "CT 129 is locked (backup)" in result["msg"] and "pct unlock 129" in result["msg"]
     assert len(writes(pve)) == before and running_ct.config["memory"] == 16384
 
 
@@ -440,9 +418,7 @@ def test_config_lock_held_by_a_task_fails_with_pves_words(running_ct, pve, fakep
 def test_failing_start_task_reports_the_task_log(pve, fakepve_cafile, capsys):
     pve.add_ct(129, "train129", node="pve1", status="stopped", config={"dev0": "/dev/nvidia0"})
     pve.ct(129).start_error = "lxc.hook.pre-start for container 129 failed: /dev/nvidia-uvm does not exist"
-    result = run(
-        pve, fakepve_cafile, capsys, state="started", devices=["/dev/nvidia0"], features=None, onboot=None
-    )
+    result = run(pve, fakepve_cafile, capsys, state="started", devices=["/dev/nvidia0"], features=None, onboot=None)
     assert result["failed"]
     assert "start CT 129" in result["msg"] and "/dev/nvidia-uvm does not exist" in result["msg"]
     assert "TASK ERROR" in result["msg"]
@@ -453,9 +429,7 @@ def test_slow_start_task_times_out_with_its_upid(pve, fakepve_cafile, capsys):
     pve.add_ct(129, "train129", node="pve1", status="stopped")
     pve.ct(129).start_secs = 3000  # 60 s of wall time at this time scale
     began = time.monotonic()
-    result = run(
-        pve, fakepve_cafile, capsys, state="started", devices=None, features=None, onboot=None, task_timeout=1
-    )
+    result = run(pve, fakepve_cafile, capsys, state="started", devices=None, features=None, onboot=None, task_timeout=1)
     assert result["failed"] and "still running after 1s" in result["msg"] and "vzstart" in result["msg"]
     assert time.monotonic() - began < 30  # gave up after task_timeout=1, never waited the 60 s
 
@@ -474,9 +448,7 @@ def test_a_task_poll_pve_refuses_is_the_modules_own_error(pve, fakepve_cafile, c
     result = run(pve, fakepve_cafile, capsys, state="started", devices=None, features=None, onboot=None)
     assert result["failed"] and "exception" not in result, result
     msg = result["msg"]
-    assert msg.startswith("start CT 129: polling task UPID:pve1:") and "403 Permission check failed" in msg, (
-        msg
-    )
+    assert msg.startswith("start CT 129: polling task UPID:pve1:") and "403 Permission check failed" in msg, msg
     assert "may still be running on the node" in msg
 
 
@@ -487,9 +459,7 @@ def test_a_stalled_tasks_age_is_read_on_the_nodes_clock(tmp_path, capsys):
         pve.add_ct(129, "train129", node="pve1", status="stopped")
         pve.ct(129).start_secs = 3000  # 60 s of wall time at this time scale
         pve.node_clock_ahead = 500  # by the node's clock the task is 500 s older than by ours
-        result = run(
-            pve, cafile, capsys, state="started", devices=None, features=None, onboot=None, task_timeout=1
-        )
+        result = run(pve, cafile, capsys, state="started", devices=None, features=None, onboot=None, task_timeout=1)
     msg = result["msg"]
     assert result["failed"] and "still running after 1s" in msg, msg
     age = int(msg.split(" s since it started by the node's clock")[0].rsplit(" ", 1)[-1])
@@ -536,9 +506,7 @@ def test_wrong_password_fails_without_printing_it(pve, fakepve_cafile, capsys):
 
 
 def test_missing_template_lists_what_is_there(pve, fakepve_cafile, capsys):
-    result = run(
-        pve, fakepve_cafile, capsys, template="local:vztmpl/ubuntu-24.04-standard_24.04-2_amd64.tar.zst"
-    )
+    result = run(pve, fakepve_cafile, capsys, template="local:vztmpl/ubuntu-24.04-standard_24.04-2_amd64.tar.zst")
     assert result["failed"] and "is not on storage local" in result["msg"] and TEMPLATE in result["msg"]
     assert "pveam download local ubuntu-24.04" in result["msg"]
     assert pve.ct(129) is None and writes(pve) == []

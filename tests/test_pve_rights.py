@@ -44,9 +44,7 @@ def test_privileges_on_the_pool_count_for_the_ct():
     pve_rights.Rights(api, "ops@pve").check(129, {}, {"memory": "8192"}, [], True, pool="gpu")
     with pytest.raises(PveError) as failed:
         pve_rights.Rights(api, "ops@pve").check(129, {}, {"cores": "8"}, [], True, pool="gpu")
-    assert str(failed.value).startswith(
-        "ops@pve lacks VM.Config.CPU on /vms/129 (to change cores) (nor on its pool"
-    )
+    assert str(failed.value).startswith("ops@pve lacks VM.Config.CPU on /vms/129 (to change cores) (nor on its pool")
 
 
 def test_a_refusal_pve_sends_anyway_is_worded_with_the_way_out():

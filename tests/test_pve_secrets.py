@@ -69,9 +69,7 @@ def pve(fakepve):
 
 
 @pytest.mark.slow
-def test_the_role_leaves_the_api_to_the_proxmox_environment_when_the_variables_are_empty(
-    pve, fakepve_cafile, tmp_path
-):
+def test_the_role_leaves_the_api_to_the_proxmox_environment_when_the_variables_are_empty(pve, fakepve_cafile, tmp_path):
     env = {
         "PROXMOX_HOST": pve.host,
         "PROXMOX_PORT": str(pve.port),
@@ -115,9 +113,7 @@ def test_the_api_password_never_shows_and_a_failure_still_says_why(pve, fakepve_
         "pve_gpu_container_vmid=130 pve_gpu_container_template=local:vztmpl/missing.tar.zst",
     )
     out = bad.stdout + bad.stderr
-    assert bad.returncode != 0 and "template local:vztmpl/missing.tar.zst is not on storage local" in out, (
-        out[-4000:]
-    )
+    assert bad.returncode != 0 and "template local:vztmpl/missing.tar.zst is not on storage local" in out, out[-4000:]
     assert PASSWORD not in out
 
 

@@ -30,15 +30,24 @@ spec = importlib.util.spec_from_file_location("role_inputs", ROOT / "plugins" / 
 ri = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ri)
 # The grammar of kinds and the quoting filters (role_inputs.py checks a role's variables with them).
-spec = importlib.util.spec_from_file_location(
-    "input_grammar", ROOT / "plugins" / "filter" / "input_grammar.py"
-)
+spec = importlib.util.spec_from_file_location("input_grammar", ROOT / "plugins" / "filter" / "input_grammar.py")
 grammar = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(grammar)
 
 # The roles of the playbooks (status.yml's own variables are the "status" table).
-ROLES = ["eagle3_train", "gpu_cleanup", "run_lock", "ct_running", "local_ct", "pve_gpu_host", "pve_gpu_container",
-         "gpu_userspace", "eagle3_datagen", "eagle3_evaluate", "eagle3_serve"]  # fmt: skip
+ROLES = [
+    "eagle3_train",
+    "gpu_cleanup",
+    "run_lock",
+    "ct_running",
+    "local_ct",
+    "pve_gpu_host",
+    "pve_gpu_container",
+    "gpu_userspace",
+    "eagle3_datagen",
+    "eagle3_evaluate",
+    "eagle3_serve",
+]
 
 HOSTILE = [
     "/tmp; rm -rf /",  # a command after the path
@@ -78,9 +87,7 @@ def test_every_variable_of_every_role_has_a_grammar(role):
     declared = set(argument_spec_options(role))
     defaults = set(yaml.safe_load((ROOT / "roles" / role / "defaults" / "main.yml").read_text()) or {})
     table = set(ri.ROLE_VARIABLES[role])
-    assert declared <= table, (
-        f"{role}: no grammar for {sorted(declared - table)} (plugins/filter/role_variables.py)"
-    )
+    assert declared <= table, f"{role}: no grammar for {sorted(declared - table)} (plugins/filter/role_variables.py)"
     assert defaults - {n for n in defaults if "__" in n} <= table, f"{role}: {sorted(defaults - table)}"
     # and the other way: a grammar entry is a variable the role declares and defaults (nothing stale in the table)
     assert table <= declared, f"{role}: {sorted(table - declared)} not in meta/argument_specs.yml"
@@ -100,9 +107,7 @@ def string_variables():
 )
 def test_each_hostile_string_is_refused_or_inert(role, name, entry):
     for hostile in HOSTILE:
-        value = (
-            [hostile] if entry["kind"] == "list" else {"X": hostile} if entry["kind"] == "dict" else hostile
-        )
+        value = [hostile] if entry["kind"] == "list" else {"X": hostile} if entry["kind"] == "dict" else hostile
         if entry["kind"] == "trainer_config":
             value = {"run_name": hostile}
         errors = ri.role_input_errors({name: value}, role)
@@ -115,11 +120,7 @@ def test_each_hostile_string_is_refused_or_inert(role, name, entry):
             continue  # ".." means something only in a path
         assert errors, f"{name}={hostile!r} was accepted"
         assert errors[0].startswith(name), errors[0]
-        assert (
-            "allowed:" in errors[0]
-            or "did you mean" in errors[0]
-            or "is not a trainer config key" in errors[0]
-        )
+        assert "allowed:" in errors[0] or "did you mean" in errors[0] or "is not a trainer config key" in errors[0]
 
 
 @given(st.text(min_size=1, max_size=300))
@@ -222,8 +223,12 @@ def hostile_values(role: str) -> dict:
 
 
 def run(playbook: str, inventory: Path, extra: dict, *flags: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}  # fmt: skip
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+    }
     args = [
         str(ANSIBLE_PLAYBOOK),
         "-i",
@@ -257,9 +262,7 @@ def test_a_playbook_refuses_every_hostile_variable_at_once_before_touching_anyth
 ):
     values = {}
     for role in roles:
-        values.update(
-            hostile_values(role) if role != "status" else {"report": "yes; id", "report_dir": "/x\ny"}
-        )
+        values.update(hostile_values(role) if role != "status" else {"report": "yes; id", "report_dir": "/x\ny"})
     assert values
     marker = tmp_path / "pwned"
     proc = run(playbook, inventory, values, *flags)
@@ -267,9 +270,7 @@ def test_a_playbook_refuses_every_hostile_variable_at_once_before_touching_anyth
     assert proc.returncode == 2, out[-4000:]
     assert "Nothing was changed" in out
     missing = [
-        name
-        for name in values
-        if f"{name}=" not in out and f"{name}[0]=" not in out and f"{name} has" not in out
+        name for name in values if f"{name}=" not in out and f"{name}[0]=" not in out and f"{name} has" not in out
     ]
     assert not missing, f"not named: {missing}\n{out[-6000:]}"
     assert "is stopped" not in out and not marker.exists()

@@ -192,9 +192,7 @@ def test_a_pvesh_task_that_overruns_is_left_running_not_cut_off(hanging, monkeyp
     monkeypatch.setenv("PATH", f"{hanging.bindir}:{os.environ['PATH']}")
     api, version = pve_session.connect({"api_backend": "local", "timeout": 1, "task_timeout": 1})
     assert version == "9.0.10"
-    with pytest.raises(
-        pve_session.PveError, match=r"pvesh create /nodes/pve1/lxc timed out after 1 s; left"
-    ) as exc:
+    with pytest.raises(pve_session.PveError, match=r"pvesh create /nodes/pve1/lxc timed out after 1 s; left") as exc:
         api.nodes("pve1").lxc.post(vmid=129, ostemplate="local:vztmpl/x.tar.zst", password="never-shown")
     assert "never-shown" not in str(exc.value)
     stand_in, helper = wait_for_pids(hanging, "pvesh-task")

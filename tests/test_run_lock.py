@@ -98,9 +98,7 @@ def test_lock_is_taken_released_and_only_by_its_owner(tmp_path, capsys):
 def test_renewal_moves_the_lease_and_may_set_a_longer_ttl(tmp_path, capsys):
     lock = tmp_path / "lock"
     write(lock, record(owner="run-a", renewed_ago=100))
-    res, rc = run_module(
-        "target_lock", {"path": str(lock), "owner": "run-a", "state": "renewed", "ttl": 900}, capsys
-    )
+    res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-a", "state": "renewed", "ttl": 900}, capsys)
     rec = json.loads(lock.read_text())
     assert rc == 0 and res["overdue"] == 0 and rec["ttl"] == 900 and time.time() - rec["renewed"] < 5
     # Renewed after its lease ran out (nobody took it): renewed, with a warning.
@@ -142,9 +140,7 @@ def test_second_run_waits_then_fails_naming_the_holder(tmp_path, capsys):
 def test_busy_lock_can_be_reported_instead_of_failing(tmp_path, capsys):
     lock = tmp_path / "lock"
     write(lock, record(renewed_ago=10))
-    res, rc = run_module(
-        "target_lock", {"path": str(lock), "owner": "run-b", "wait": 0, "fail_on_busy": False}, capsys
-    )
+    res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-b", "wait": 0, "fail_on_busy": False}, capsys)
     assert rc == 0 and res["busy"] and not res["expired"] and res["holder"]["owner"] == "other-run"
 
 
@@ -217,17 +213,10 @@ def test_check_mode_takes_renews_and_releases_nothing_and_leaves_no_file(tmp_pat
     lock = tmp_path / "sub" / "lock"
     check = {"_ansible_check_mode": True}
     res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-a", **check}, capsys)
-    assert (
-        rc == 0
-        and not res["acquired"]
-        and res["outcome"] == "taken"
-        and "a real run would take it" in res["msg"]
-    )
+    assert rc == 0 and not res["acquired"] and res["outcome"] == "taken" and "a real run would take it" in res["msg"]
     assert list(tmp_path.iterdir()) == []
     for state in ("renewed", "released"):
-        res, rc = run_module(
-            "target_lock", {"path": str(lock), "owner": "run-a", "state": state, **check}, capsys
-        )
+        res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-a", "state": state, **check}, capsys)
         assert rc == 0 and not res["changed"]
     assert list(tmp_path.iterdir()) == []
     # A holder is reported, not waited for, and its record is untouched.
@@ -236,12 +225,8 @@ def test_check_mode_takes_renews_and_releases_nothing_and_leaves_no_file(tmp_pat
     before = lock.read_text()
     res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-a", "wait": 30, **check}, capsys)
     assert rc == 0 and res["busy"] and "held by alice@ctl-b" in res["msg"] and res["waited"] < 5
-    res, rc = run_module(
-        "target_lock", {"path": str(lock), "owner": "run-x", "state": "released", **check}, capsys
-    )
-    assert (
-        rc == 0 and lock.read_text() == before and sorted(p.name for p in lock.parent.iterdir()) == ["lock"]
-    )
+    res, rc = run_module("target_lock", {"path": str(lock), "owner": "run-x", "state": "released", **check}, capsys)
+    assert rc == 0 and lock.read_text() == before and sorted(p.name for p in lock.parent.iterdir()) == ["lock"]
 
 
 # --- races: no two owners, ever ------------------------------------------------------------------------------
@@ -309,9 +294,7 @@ def test_contenders_racing_for_a_stale_lock_get_exactly_one_owner(tmp_path):
 
 def test_the_race_test_sees_two_owners_without_the_flock(tmp_path):
     """The control: the same race with the guard removed (the old unlink + create) crowns several owners."""
-    rounds = race(
-        str(tmp_path / "lock"), contenders=3, rounds=5, slow_read=0.02, guard=contextlib.nullcontext
-    )
+    rounds = race(str(tmp_path / "lock"), contenders=3, rounds=5, slow_read=0.02, guard=contextlib.nullcontext)
     assert any(len(winners) > 1 for winners in rounds)
 
 
@@ -328,9 +311,7 @@ def test_processes_racing_for_a_stale_lock_get_exactly_one_owner(tmp_path):
         run_lock.write_record(path, record(owner="dead", renewed_ago=1000))
         queue = ctx.Queue()
         start_at = time.time() + 0.3
-        procs = [
-            ctx.Process(target=_contend_in_process, args=(path, f"p{i}", start_at, queue)) for i in range(3)
-        ]
+        procs = [ctx.Process(target=_contend_in_process, args=(path, f"p{i}", start_at, queue)) for i in range(3)]
         for p in procs:
             p.start()
         results = dict(queue.get(timeout=30) for _ in procs)
@@ -484,9 +465,7 @@ def test_a_live_controller_process_is_not_gone_and_is_waited_for(tmp_path, sleep
 
 
 def test_a_reused_pid_or_a_zombie_is_gone(sleeper):
-    assert controller.holder_gone(holder_for(sleeper.pid, pid_start=1))[
-        "gone"
-    ]  # another process's start time
+    assert controller.holder_gone(holder_for(sleeper.pid, pid_start=1))["gone"]  # another process's start time
     zombie = subprocess.Popen(["true"])
     try:
         holder = holder_for(zombie.pid)
@@ -536,9 +515,7 @@ def test_train_health_renews_the_lease_at_each_poll_and_fails_when_it_is_lost(fa
         "lock_owner": "run-a",
     }
     res, rc = run_module("train_health", {**args, "_ansible_check_mode": True}, capsys)
-    assert (
-        rc == 0 and time.time() - json.loads(lock.read_text())["renewed"] >= 199
-    )  # check mode renews nothing
+    assert rc == 0 and time.time() - json.loads(lock.read_text())["renewed"] >= 199  # check mode renews nothing
     res, rc = run_module("train_health", args, capsys)
     rec = json.loads(lock.read_text())
     assert rc == 0 and res["verdict"] == "waiting" and time.time() - rec["renewed"] < 5 and rec["ttl"] == 300
@@ -582,9 +559,7 @@ PLAY = """
 @pytest.fixture
 def playbook(tmp_path):
     (tmp_path / "play.yml").write_text(PLAY)
-    (tmp_path / "hosts").write_text(
-        f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n"
-    )
+    (tmp_path / "hosts").write_text(f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}\n")
     lock = tmp_path / "locks" / "eagle3.lock"
     env = dict(
         os.environ,
@@ -598,17 +573,22 @@ def playbook(tmp_path):
         ANSIBLE_REMOTE_TEMP=str(tmp_path / "ansible-tmp"),
         ANSIBLE_NOCOLOR="1",
     )
-    cmd = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts"),
-           str(tmp_path / "play.yml"), "-e", f"run_lock_path={lock}"]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "ansible-playbook"),
+        "-i",
+        str(tmp_path / "hosts"),
+        str(tmp_path / "play.yml"),
+        "-e",
+        f"run_lock_path={lock}",
+    ]
 
     def run(*args, background=False, **kw):
         if background:
             out = open(tmp_path / "background.out", "w")  # noqa: SIM115 - closed by the test
-            return subprocess.Popen([*cmd, *args], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True), out  # fmt: skip
-        return subprocess.run(
-            [*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
+            return subprocess.Popen(
+                [*cmd, *args], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            ), out
+        return subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
     return run, lock
 
@@ -626,13 +606,8 @@ def test_role_end_to_end_a_killed_run_is_broken_by_the_next_one(playbook):
         rec = run_lock.read_record(str(lock))
         # The record names the ansible-playbook process this test started, with its start time.
         assert rec and rec["pid"] == first.pid, (rec, (Path(out.name)).read_text())
-        assert (
-            rec["pid_start"] == controller.proc_stat(first.pid)["start"]
-            and rec["host"] == socket.gethostname()
-        )
-        assert (
-            rec["purpose"] == "e2e test" and rec["playbook"] == "play.yml" and rec["renewed"] > rec["since"]
-        )
+        assert rec["pid_start"] == controller.proc_stat(first.pid)["start"] and rec["host"] == socket.gethostname()
+        assert rec["purpose"] == "e2e test" and rec["playbook"] == "play.yml" and rec["renewed"] > rec["since"]
 
         # A second run waits for the live one, then fails naming it.
         second = run("-e", "run_lock_wait=1")
@@ -666,17 +641,13 @@ def test_role_end_to_end_check_mode_and_another_controllers_lock(playbook):
 
     # Another controller's live lease is not broken: the run waits, then fails naming it.
     lock.parent.mkdir()
-    write(
-        lock, record(owner="bob@ctl-b:77:x", user="bob", host="ctl-b", pid=77, boot_id="b", pidns="pid:[1]")
-    )
+    write(lock, record(owner="bob@ctl-b:77:x", user="bob", host="ctl-b", pid=77, boot_id="b", pidns="pid:[1]"))
     check = run("--check")
     assert check.returncode == 0 and "held by bob@ctl-b (ansible-playbook pid 77)" in check.stdout
     assert "A real run would wait up to 30 s for it" in check.stdout
     real = run("-e", "run_lock_wait=1")
     assert real.returncode != 0 and "bob@ctl-b (ansible-playbook pid 77)" in real.stdout
-    assert (
-        "another controller" in real.stdout and run_lock.read_record(str(lock))["owner"] == "bob@ctl-b:77:x"
-    )
+    assert "another controller" in real.stdout and run_lock.read_record(str(lock))["owner"] == "bob@ctl-b:77:x"
     # Told to break it (the message names how), it does.
     broken = run("-e", "run_lock_break=bob@ctl-b:77:x")
     assert broken.returncode == 0 and list(lock.parent.iterdir()) == []
@@ -702,9 +673,7 @@ def test_a_file_that_is_not_a_lock_record_is_refused_and_left_untouched(tmp_path
     os.utime(victim, (old, old))
     for state in ("acquired", "renewed", "released", "query"):
         res, rc = run_module("target_lock", {"path": str(victim), "owner": "run-b", "state": state}, capsys)
-        assert rc == 1 and "not a lock record of eagle3-pve" in res["msg"] and "untouched" in res["msg"], (
-            state
-        )
+        assert rc == 1 and "not a lock record of eagle3-pve" in res["msg"] and "untouched" in res["msg"], state
         assert victim.read_bytes() == content and victim.stat().st_mtime == pytest.approx(old)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt"]  # no guard was left beside it
 
@@ -725,7 +694,5 @@ def test_a_lock_path_that_is_a_folder_a_link_or_a_busy_guard_is_refused(tmp_path
     assert owner_of(tmp_path / "target") == "dead-run" and not guarded.exists()
     assert (tmp_path / "lock.guard").read_text() == "somebody's data"
     # check mode refuses as well (it would otherwise promise a take-over a real run refuses)
-    res, rc = run_module(
-        "target_lock", {"path": str(link), "owner": "run-b", "_ansible_check_mode": True}, capsys
-    )
+    res, rc = run_module("target_lock", {"path": str(link), "owner": "run-b", "_ansible_check_mode": True}, capsys)
     assert rc == 1 and "untouched" in res["msg"]

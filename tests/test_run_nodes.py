@@ -22,8 +22,14 @@ summary = load("training_summary")
 
 
 def reports(**over) -> dict:
-    base = {"nodes": ["a", "b", "c"], "rank": "auto", "run_dir": "/shared/run", "state_dir": "/var/lib/eagle3/node",
-            "port": 29400, "run_id": "r"}  # fmt: skip
+    base = {
+        "nodes": ["a", "b", "c"],
+        "rank": "auto",
+        "run_dir": "/shared/run",
+        "state_dir": "/var/lib/eagle3/node",
+        "port": 29400,
+        "run_id": "r",
+    }
     out = {h: dict(base, addr=f"10.0.0.{i + 1}") for i, h in enumerate(base["nodes"])}
     for host, changes in over.items():
         out[host].update(changes)
@@ -63,24 +69,43 @@ def test_each_disagreement_is_named():
 def test_every_node_needs_the_same_context_parallel():
     r = reports(a={"context_parallel": "auto"}, b={"context_parallel": "auto"}, c={"context_parallel": 2})
     errors = run_nodes.run_nodes(["a", "b", "c"], ["a", "b", "c"], r, "b")["errors"]
-    assert errors == [
-        "c: eagle3_train_context_parallel=2 differs from a's auto; every node of a run needs the same"
-    ]
+    assert errors == ["c: eagle3_train_context_parallel=2 differs from a's auto; every node of a run needs the same"]
 
 
 def test_one_node_is_the_local_rendezvous_whatever_its_address():
-    r = {"a": {"nodes": ["a"], "rank": "auto", "addr": "127.0.0.1", "run_dir": "/r", "state_dir": "/r", "port": 29400,
-               "run_id": "x"}}  # fmt: skip
+    r = {
+        "a": {
+            "nodes": ["a"],
+            "rank": "auto",
+            "addr": "127.0.0.1",
+            "run_dir": "/r",
+            "state_dir": "/r",
+            "port": 29400,
+            "run_id": "x",
+        }
+    }
     view = run_nodes.run_nodes(["a"], ["a"], r, "a")
-    assert view == {"nnodes": 1, "rank": 0, "ranks": {"a": 0}, "rdzv_node": "a", "endpoint": "127.0.0.1:29400",
-                    "errors": []}  # fmt: skip
+    assert view == {
+        "nnodes": 1,
+        "rank": 0,
+        "ranks": {"a": 0},
+        "rdzv_node": "a",
+        "endpoint": "127.0.0.1:29400",
+        "errors": [],
+    }
 
 
 def test_a_node_line_names_its_ranks_and_marks_the_slowest():
-    nodes = [{"node": 0, "host": "ct1", "ranks": [0, 1], "tokens_per_s": 900.0, "busy_s_per_step": 0.5},
-             {"node": 1, "host": "ct2", "ranks": [2, 3], "tokens_per_s": 700.0, "busy_s_per_step": 0.8}]  # fmt: skip
-    rep = {"run": {"state": "running"}, "unit": {"ActiveState": "active"}, "hostname": "ct2",
-           "status": {"step": 40, "tokens_per_s": 1600.0, "nodes": nodes}}  # fmt: skip
+    nodes = [
+        {"node": 0, "host": "ct1", "ranks": [0, 1], "tokens_per_s": 900.0, "busy_s_per_step": 0.5},
+        {"node": 1, "host": "ct2", "ranks": [2, 3], "tokens_per_s": 700.0, "busy_s_per_step": 0.8},
+    ]
+    rep = {
+        "run": {"state": "running"},
+        "unit": {"ActiveState": "active"},
+        "hostname": "ct2",
+        "status": {"step": 40, "tokens_per_s": 1600.0, "nodes": nodes},
+    }
     lines = summary.training_summary(rep, [])
     assert "node 1 of 2 (ct2, ranks 2-3): 700 tokens/s, busy 0.80 s/step (the slowest node)" in lines
     assert not any(line.startswith("node 0 of 2") for line in lines)

@@ -64,9 +64,7 @@ def test_crash_loop_grows_the_delay_and_a_clean_exit_resets_it(tmp_path):
 def test_the_trainers_own_error_names_the_exit(tmp_path):
     state, status = tmp_path / "restart-backoff.json", tmp_path / "status.json"
     restart_backoff.write_state(str(state), {"failures": 0, "started": time.time() - 5})
-    status.write_text(
-        json.dumps({"updated": time.time(), "error": {"kind": "oom", "message": "CUDA out of memory"}})
-    )
+    status.write_text(json.dumps({"updated": time.time(), "error": {"kind": "oom", "message": "CUDA out of memory"}}))
     post_stop(state, status, SERVICE_RESULT="exit-code", EXIT_CODE="exited", EXIT_STATUS="3")
     last = json.loads(state.read_text())["last_exit"]
     assert (last["reason"], last["message"]) == ("oom", "CUDA out of memory")
@@ -96,9 +94,7 @@ def test_pre_start_waits_only_the_rest_of_the_delay(tmp_path):
 
 def test_reset_forgets_the_failures(tmp_path):
     state = tmp_path / "restart-backoff.json"
-    restart_backoff.write_state(
-        str(state), {"failures": 4, "last_exit": {"time": time.time(), "reason": "crash"}}
-    )
+    restart_backoff.write_state(str(state), {"failures": 4, "last_exit": {"time": time.time(), "reason": "crash"}})
     subprocess.run([sys.executable, BACKOFF, "reset", "--state", state], check=True, timeout=60)
     assert restart_backoff.remaining_delay(restart_backoff.read_state(str(state)), time.time()) == 0.0
 
@@ -143,8 +139,14 @@ def test_one_state_per_situation(unit, status, backoff, state):
 
 def test_a_stall_shows_before_the_hang_watchdog_ends_the_run():
     """With a 40 s watchdog bound the stall note comes at 20 s (the 120 s floor would come after the restart)."""
-    status = {"phase": "training", "step": 9, "updated": 100.0, "step_time_s": 1.0, "log_every": 1,
-              "watchdog_bound_s": 40.0}  # fmt: skip
+    status = {
+        "phase": "training",
+        "step": 9,
+        "updated": 100.0,
+        "step_time_s": 1.0,
+        "log_every": 1,
+        "watchdog_bound_s": 40.0,
+    }
     unit = {"ActiveState": "active", "SubState": "running"}
     assert not train_status.run_state(status, unit, {}, started_at=50.0, now=119.0)["stalled"]
     run = train_status.run_state(status, unit, {}, started_at=50.0, now=125.0)
@@ -169,9 +171,7 @@ def test_a_failed_unit_after_several_failed_runs_gave_up():
     run = train_status.run_state(
         None, {"ActiveState": "failed", "Result": "exit-code"}, {"failures": 5}, started_at=0.0, now=1.0
     )
-    assert run["state"] == "failed" and run["detail"].startswith(
-        "gave up: the unit hit its start limit after 5"
-    )
+    assert run["state"] == "failed" and run["detail"].startswith("gave up: the unit hit its start limit after 5")
 
 
 def test_start_limit_says_it_gave_up_and_why():
@@ -187,9 +187,7 @@ def test_start_limit_says_it_gave_up_and_why():
 
 
 def test_train_report_puts_unit_status_and_restart_record_together(fake_systemd, tmp_path, capsys):
-    (fake_systemd / "show").write_text(
-        "ActiveState=failed\nSubState=failed\nResult=start-limit-hit\nNRestarts=7\n"
-    )
+    (fake_systemd / "show").write_text("ActiveState=failed\nSubState=failed\nResult=start-limit-hit\nNRestarts=7\n")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "status.json").write_text(json.dumps({"phase": "failed", "step": 12, "updated": time.time()}))
@@ -242,7 +240,5 @@ def test_a_deleted_status_file_during_a_healthy_run_is_not_called_starting(fake_
 def test_a_rendezvous_failure_says_what_it_means_for_the_nodes(line, says):
     # As journalctl shows them when a node of a two-node run cannot reach node 0, or node 0 waits in vain.
     env = {"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "1"}
-    reason, message = restart_backoff.classify_exit(
-        env, None, 10, ["Traceback (most recent call last):", line]
-    )
+    reason, message = restart_backoff.classify_exit(env, None, 10, ["Traceback (most recent call last):", line])
     assert reason == "rendezvous" and message.startswith(line) and says in message

@@ -63,9 +63,7 @@ def test_two_engines_are_summed_and_a_server_without_a_drafter_says_so():
     two = METRICS + METRICS.replace('engine="0"', 'engine="1"')
     acc = serve_status.acceptance(serve_status.parse_prometheus(two))
     assert acc["drafts"] == 2 * 1658 and acc["tau"] == pytest.approx(1 + 2190 / 1658, abs=1e-4)
-    plain = serve_status.acceptance(
-        serve_status.parse_prometheus('vllm:num_requests_running{engine="0"} 0.0\n')
-    )
+    plain = serve_status.acceptance(serve_status.parse_prometheus('vllm:num_requests_running{engine="0"} 0.0\n'))
     assert not plain["speculative"] and plain["tau"] is None
     assert "without a drafter" in serve_status.acceptance_line(plain)
 
@@ -121,9 +119,7 @@ class StandInVllm(BaseHTTPRequestHandler):
         if self.mode == "loading":
             return self._reply(503, '{"error": "loading"}')
         if self.path == "/v1/models":
-            return self._reply(
-                200, json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-            )
+            return self._reply(200, json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
         if self.path == "/metrics":
             return self._reply(200, METRICS, "text/plain; version=0.0.4")
         return self._reply(404, "{}")
@@ -136,8 +132,12 @@ class StandInVllm(BaseHTTPRequestHandler):
         text, tokens = ("", 0) if self.mode == "empty" else (" Paris, and the", body["max_tokens"])
         choice = {"index": 0, "text": text, "finish_reason": "length"}
         usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
-        return self._reply(200, json.dumps({"id": "cmpl-1", "object": "text_completion", "model": MODEL,
-                                            "choices": [choice], "usage": usage}))  # fmt: skip
+        return self._reply(
+            200,
+            json.dumps(
+                {"id": "cmpl-1", "object": "text_completion", "model": MODEL, "choices": [choice], "usage": usage}
+            ),
+        )
 
     def log_message(self, *args):
         pass
@@ -169,9 +169,7 @@ def test_a_server_is_healthy_when_it_answers_a_completion_of_its_model(server):
     assert serve_status.read_metrics(base, timeout=5)["drafts"] == 1658
 
 
-@pytest.mark.parametrize(
-    ("mode", "error"), [("loading", "HTTP 503"), ("empty", "the completion came back empty")]
-)
+@pytest.mark.parametrize(("mode", "error"), [("loading", "HTTP 503"), ("empty", "the completion came back empty")])
 def test_a_server_that_is_loading_or_answers_nothing_is_not_healthy(server, mode, error):
     StandInVllm.mode = mode
     answer = serve_status.ask_completion(f"http://127.0.0.1:{server.server_port}", timeout=5)
@@ -192,14 +190,20 @@ def unit_shows(fake_systemd: Path, port: int, **props) -> None:
         "{ path=/opt/eagle3-venv/bin/python ; argv[]=/opt/eagle3-venv/bin/python -m "
         f"vllm.entrypoints.openai.api_server --model {MODEL} --host 127.0.0.1 --port {port} ; ignore_errors=no }}"
     )
-    shown = {"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "Result": "success",
-             "ExecMainStatus": "0", "NRestarts": "0", "ExecStart": execstart, **props}  # fmt: skip
+    shown = {
+        "LoadState": "loaded",
+        "ActiveState": "active",
+        "SubState": "running",
+        "Result": "success",
+        "ExecMainStatus": "0",
+        "NRestarts": "0",
+        "ExecStart": execstart,
+        **props,
+    }
     (fake_systemd / "show").write_text("".join(f"{k}={v}\n" for k, v in shown.items()))
 
 
-def test_the_module_finds_the_address_in_the_unit_and_reports_health_and_acceptance(
-    fake_systemd, server, capsys
-):
+def test_the_module_finds_the_address_in_the_unit_and_reports_health_and_acceptance(fake_systemd, server, capsys):
     unit_shows(fake_systemd, server.server_port)
     result, rc = run_module("serve_job", {"answer": True}, capsys)
     assert rc == 0 and result["verdict"] == "healthy" and not result["changed"]
@@ -213,24 +217,21 @@ def test_status_asks_no_completion_so_the_figures_it_shows_are_the_users(fake_sy
     result, rc = run_module("serve_job", {}, capsys)
     assert rc == 0 and result["verdict"] == "running" and result["answer"] is None
     assert not [a for a in StandInVllm.asked if a[0] == "POST"]
-    assert result["summary"].startswith(
-        f"eagle3-serve.service: active at http://127.0.0.1:{server.server_port}; "
+    assert result["summary"].startswith(f"eagle3-serve.service: active at http://127.0.0.1:{server.server_port}; ")
+
+
+def test_a_unit_that_crashed_and_waits_for_its_restart_is_failed_with_its_last_line(fake_systemd, server, capsys):
+    unit_shows(
+        fake_systemd,
+        server.server_port,
+        ActiveState="activating",
+        SubState="auto-restart",
+        Result="exit-code",
+        ExecMainStatus="1",
     )
-
-
-def test_a_unit_that_crashed_and_waits_for_its_restart_is_failed_with_its_last_line(
-    fake_systemd, server, capsys
-):
-    unit_shows(fake_systemd, server.server_port, ActiveState="activating", SubState="auto-restart",
-               Result="exit-code", ExecMainStatus="1")  # fmt: skip
     result, rc = run_module("serve_job", {"answer": True}, capsys)
-    assert (
-        rc == 0 and result["verdict"] == "failed" and result["answer"] is None
-    )  # a restarting unit is not asked
-    assert (
-        result["summary"]
-        == "eagle3-serve.service: failed (exit-code, exit status 1, restarting): log line 40"
-    )
+    assert rc == 0 and result["verdict"] == "failed" and result["answer"] is None  # a restarting unit is not asked
+    assert result["summary"] == "eagle3-serve.service: failed (exit-code, exit status 1, restarting): log line 40"
 
 
 # ------------------------------------------------------------------------------------------------ the unit
@@ -272,11 +273,7 @@ def exec_start(unit: str) -> tuple[list[str], dict[str, str]]:
     """ExecStart's argv as systemd passes it, and each --option's value."""
     line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
     argv = [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(line.removeprefix("ExecStart="))]
-    opts = {
-        w: argv[i + 1]
-        for i, w in enumerate(argv[:-1])
-        if w.startswith("--") and not argv[i + 1].startswith("--")
-    }
+    opts = {w: argv[i + 1] for i, w in enumerate(argv[:-1]) if w.startswith("--") and not argv[i + 1].startswith("--")}
     return argv, opts
 
 
@@ -290,11 +287,18 @@ def rendered(tmp_path_factory):
     (venv / "python").symlink_to(sys.executable)  # systemd-analyze checks that ExecStart's program exists
     play = out / "render.yml"
     play.write_text(RENDER)
-    inv = local_training_inventory(out / "hosts.yml", eagle3_serve_target="/var/lib/eagle3/tiny-target",
-                                   eagle3_serve_venv=str(out / "venv"))  # fmt: skip
+    inv = local_training_inventory(
+        out / "hosts.yml", eagle3_serve_target="/var/lib/eagle3/tiny-target", eagle3_serve_venv=str(out / "venv")
+    )
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-    proc = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(inv), str(play), "-e", f"out={out}"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    proc = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inv), str(play), "-e", f"out={out}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     return out
 
@@ -306,7 +310,10 @@ def test_the_unit_serves_the_target_with_the_exported_drafter_on_loopback(render
     assert argv[:3] == [f"{rendered}/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert opts["--model"] == "/var/lib/eagle3/tiny-target"
     assert json.loads(opts["--speculative-config"]) == {
-        "method": "eagle3", "model": "/var/lib/eagle3/serve/drafter", "num_speculative_tokens": 3}  # fmt: skip
+        "method": "eagle3",
+        "model": "/var/lib/eagle3/serve/drafter",
+        "num_speculative_tokens": 3,
+    }
     assert (opts["--host"], opts["--port"], opts["--dtype"]) == ("127.0.0.1", "8000", "bfloat16")
     assert "--enforce-eager" not in argv and "--served-model-name" not in argv
     assert "--kv-cache-memory-bytes" not in argv  # vLLM sizes it (on a GPU, from --gpu-memory-utilization)
@@ -327,9 +334,7 @@ def test_the_unit_takes_the_inventorys_address_a_given_export_and_more_vllm_argu
     assert (opts["--served-model-name"], opts["--max-model-len"]) == ("kimi-k2.5", "32768")
     assert opts["--kv-cache-memory-bytes"] == str(40 << 30)
     assert "--enforce-eager" in argv
-    env = shlex.split(
-        next(x for x in unit.splitlines() if x.startswith("Environment=")).removeprefix("Environment=")
-    )
+    env = shlex.split(next(x for x in unit.splitlines() if x.startswith("Environment=")).removeprefix("Environment="))
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in env and "EAGLE3_JOB=eagle3-train" in env
     assert argv[-4:] == ["--tensor-parallel-size", "8", "--gpu-memory-utilization", "0.92"]
 
@@ -338,27 +343,39 @@ def test_the_unit_takes_the_inventorys_address_a_given_export_and_more_vllm_argu
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 @pytest.mark.parametrize("case", ["defaults", "gpu"])
 def test_systemd_reads_the_unit_without_a_complaint(rendered, case):
-    proc = subprocess.run(["systemd-analyze", "verify", str(rendered / case / "eagle3-serve.service")],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", str(rendered / case / "eagle3-serve.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     complaints = [line for line in proc.stderr.splitlines() if "eagle3-serve.service" in line]
     assert proc.returncode == 0 and not complaints, proc.stderr
 
 
 # ------------------------------------------------------------------------------------------------ bad input
 BAD_SERVE_INPUTS = {
-    "eagle3_serve_port": ("70000", "eagle3_serve_port=70000 is out of range; allowed: a whole number >= 1 and <= 65535"),
+    "eagle3_serve_port": (
+        "70000",
+        "eagle3_serve_port=70000 is out of range; allowed: a whole number >= 1 and <= 65535",
+    ),
     "eagle3_serve_host": ("127.0.0.256", "eagle3_serve_host=127.0.0.256 is not an IP address; allowed: an IP address"),
     "eagle3_serve_drafter": ("exports/kimi", "eagle3_serve_drafter=exports/kimi is not an absolute path"),
     "eagle3_serve_export_dir": ("/var/lib", "eagle3_serve_export_dir=/var/lib is a system folder"),
-    "eagle3_serve_args": (["--port", "9000"], "eagle3_serve_args[0]=--port sets what the role sets itself; allowed: "
-                          "any other argument (for --port, set eagle3_serve_port)"),
+    "eagle3_serve_args": (
+        ["--port", "9000"],
+        "eagle3_serve_args[0]=--port sets what the role sets itself; allowed: "
+        "any other argument (for --port, set eagle3_serve_port)",
+    ),
     "eagle3_serve_served_model_name": ("my model", "eagle3_serve_served_model_name=my model has the wrong form"),
     "eagle3_serve_num_speculative_tokens": ("0", "eagle3_serve_num_speculative_tokens=0 is out of range"),
     "eagle3_serve_enforce_eager": ("maybe", "eagle3_serve_enforce_eager=maybe is not a boolean"),
     "eagle3_serve_env": ({"EAGLE3_JOB": "decoy"}, "eagle3_serve_env has the key EAGLE3_JOB, which is set by the role"),
-    "eagle3_serve_prot": ("8000", "eagle3_serve_prot=8000 is not a variable of the eagle3_serve role; did you mean "
-                          "eagle3_serve_port?"),
-}  # fmt: skip
+    "eagle3_serve_prot": (
+        "8000",
+        "eagle3_serve_prot=8000 is not a variable of the eagle3_serve role; did you mean eagle3_serve_port?",
+    ),
+}
 
 
 @pytest.mark.slow
@@ -380,17 +397,17 @@ def test_serve_refuses_a_drafter_that_is_no_export_and_what_else_cannot_work_cha
     (venv / "python").symlink_to(sys.executable)  # a Python without vLLM
     not_an_export = write_export(tmp_path / "drafter", {"architectures": ["LlamaForCausalLM"]})
     inv = local_training_inventory(
-        tmp_path / "hosts.yml", eagle3_serve_target=f"{tmp_path}/target", eagle3_serve_venv=str(tmp_path / "venv"),
-        eagle3_serve_drafter=str(not_an_export), eagle3_serve_export_dir=f"{tmp_path}/export",
+        tmp_path / "hosts.yml",
+        eagle3_serve_target=f"{tmp_path}/target",
+        eagle3_serve_venv=str(tmp_path / "venv"),
+        eagle3_serve_drafter=str(not_an_export),
+        eagle3_serve_export_dir=f"{tmp_path}/export",
         run_lock_path=f"{tmp_path}/lock",
-    )  # fmt: skip
+    )
     proc = run("serve.yml", inv, {"eagle3_serve__unit_file": f"{tmp_path}/eagle3-serve.service"}, "--check")
     out = " ".join(proc.stdout.split())
     assert proc.returncode == 2, proc.stdout[-3000:]
-    assert (
-        f"eagle3_serve_drafter={not_an_export} has a config.json of something else than an EAGLE-3 drafter"
-        in out
-    )
+    assert f"eagle3_serve_drafter={not_an_export} has a config.json of something else than an EAGLE-3 drafter" in out
     assert f"eagle3_serve_venv={tmp_path}/venv has no vLLM" in out
     assert f"eagle3_serve_target={tmp_path}/target holds no model (no config.json)" in out
     assert re.search(r"Nothing was changed\.", out)

@@ -72,9 +72,7 @@ def test_fresh_venv_is_built_then_left_alone(tmp_path, req):
 def test_venv_whose_interpreter_is_gone_is_rebuilt(tmp_path, req):
     """A venv made from an interpreter that was since removed (pyenv uninstall, a moved checkout)."""
     gone = tmp_path / "old-python"
-    shutil.copytree(
-        Path(sys.base_prefix), gone, symlinks=True, ignore=shutil.ignore_patterns("site-packages")
-    )
+    shutil.copytree(Path(sys.base_prefix), gone, symlinks=True, ignore=shutil.ignore_patterns("site-packages"))
     venv = tmp_path / "venv"
     built = ensure_venv(venv, gone / "bin" / PY312.name, req)
     assert built.returncode == 0, built.stderr
@@ -103,10 +101,7 @@ def test_half_built_venv_without_pip_is_rebuilt(tmp_path, req):
     subprocess.run([PY312, "-m", "venv", "--without-pip", venv], check=True)
     result = ensure_venv(venv, PY312, req)
     assert result.returncode == 0, result.stderr
-    assert (
-        subprocess.run([venv / "bin" / "python", "-m", "pip", "--version"], capture_output=True).returncode
-        == 0
-    )
+    assert subprocess.run([venv / "bin" / "python", "-m", "pip", "--version"], capture_output=True).returncode == 0
 
 
 def test_changed_requirements_update_in_place(tmp_path, req):

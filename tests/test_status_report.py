@@ -21,12 +21,24 @@ TRAIN_VENV = ROOT / ".venv-train"
 
 def train_record(step: int) -> dict:
     return {
-        "kind": "train", "step": step, "epoch": 0, "max_steps": 10, "lr": 1e-4, "loss": 2.0 / step,
-        "loss_per_step": [2.0 / step, 2.5 / step], "full_acc": [0.1 * step, 0.05 * step],
-        "cond_acc": [0.1 * step, 0.08 * step], "tokens_per_s": 1000.0, "tokens_per_s_per_rank": 1000.0,
-        "step_time_s": 0.5, "time_split": {"fetch": 0.01, "fwd": 0.2, "bwd": 0.25, "opt": 0.04},
-        "peak_mem_gb": 1.5, "peak_mem_gb_per_rank": [1.5], "mem_kind": "rss", "world_size": 1,
-    }  # fmt: skip
+        "kind": "train",
+        "step": step,
+        "epoch": 0,
+        "max_steps": 10,
+        "lr": 1e-4,
+        "loss": 2.0 / step,
+        "loss_per_step": [2.0 / step, 2.5 / step],
+        "full_acc": [0.1 * step, 0.05 * step],
+        "cond_acc": [0.1 * step, 0.08 * step],
+        "tokens_per_s": 1000.0,
+        "tokens_per_s_per_rank": 1000.0,
+        "step_time_s": 0.5,
+        "time_split": {"fetch": 0.01, "fwd": 0.2, "bwd": 0.25, "opt": 0.04},
+        "peak_mem_gb": 1.5,
+        "peak_mem_gb_per_rank": [1.5],
+        "mem_kind": "rss",
+        "world_size": 1,
+    }
 
 
 @pytest.fixture
@@ -38,10 +50,19 @@ def target(tmp_path):
     run_dir.mkdir()
     lines = [json.dumps(train_record(s)) for s in (1, 2, 3)]
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n" + lines[0][:40])  # a run killed mid-write
-    (run_dir / "status.json").write_text(json.dumps({
-        "phase": "failed", "step": 3, "max_steps": 10, "max_seq_len": 512, "world_size": 1, "updated": 0,
-        "error": {"kind": "crash", "message": "test", "max_seq_len": 512},
-    }))  # fmt: skip
+    (run_dir / "status.json").write_text(
+        json.dumps(
+            {
+                "phase": "failed",
+                "step": 3,
+                "max_steps": 10,
+                "max_seq_len": 512,
+                "world_size": 1,
+                "updated": 0,
+                "error": {"kind": "crash", "message": "test", "max_seq_len": 512},
+            }
+        )
+    )
     return local_training_inventory(
         tmp_path / "local.yml",
         eagle3_train_prefix=str(prefix),
@@ -51,8 +72,12 @@ def target(tmp_path):
 
 
 def run_status(inventory: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_CALLBACK_RESULT_FORMAT": "json"}  # fmt: skip
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+    }
     args = [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), str(ROOT / "status.yml")]
     for e in extra:
         args += ["-e", e]
@@ -60,9 +85,7 @@ def run_status(inventory: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not (TRAIN_VENV / "bin" / "python").exists(), reason="no training venv (scripts/setup.sh)"
-)
+@pytest.mark.skipif(not (TRAIN_VENV / "bin" / "python").exists(), reason="no training venv (scripts/setup.sh)")
 def test_status_report_fetches_a_png_and_prints_its_path(target, tmp_path):
     proc = run_status(target, "report=true", f"report_dir={tmp_path}/reports")
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -88,8 +111,7 @@ def test_status_rejects_a_report_value_that_is_not_a_boolean(target, tmp_path):
     proc = run_status(target, "report=maybe")
     assert proc.returncode != 0
     assert (
-        "report=maybe is not a boolean; allowed: true or false (also yes/no, on/off, 1/0, any case)"
-        in proc.stdout
+        "report=maybe is not a boolean; allowed: true or false (also yes/no, on/off, 1/0, any case)" in proc.stdout
     ), proc.stdout[-3000:]
     assert not (tmp_path / "run" / "report.png").exists()
 

@@ -1,5 +1,6 @@
-"""The shape of the code, held: no product file over 600 lines, no function over 80 (its docstring aside), and the
-trainer's modules import each other without a circle (so every module has a layer below which it never reaches up).
+"""The shape of the code, held: no product file over 600 lines, no function over 80 (its docstring aside), the
+trainer's modules import each other without a circle (so every module has a layer below which it never reaches up),
+and the formatter's output is the code (it is never switched off for a line: pyproject.toml has our settings).
 
 Product: everything git tracks as Python outside the test suites (tests/, training/tests/, molecule/). A file that
 would cross a limit is split along a seam instead; docs/architecture.md names the layers.
@@ -54,6 +55,13 @@ def test_no_product_file_is_over_600_lines():
     assert not long, f"over {MAX_FILE_LINES} lines (split along a seam): {long}"
 
 
+def test_the_formatter_is_never_switched_off():
+    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    marker = "fmt: " + "skip"  # (spelled apart, so this file does not contain it)
+    skipped = [f for f in listed.stdout.split() if marker in (ROOT / f).read_text()]
+    assert not skipped, f"{marker} in {skipped}: write it the way the formatter keeps it"
+
+
 def test_no_function_is_over_80_lines():
     long = [
         f"{p.relative_to(ROOT)}:{line} {name} ({n} lines)"
@@ -78,9 +86,7 @@ def trainer_imports() -> dict[str, set[str]]:
         targets = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle3"):
-                for (
-                    alias
-                ) in node.names:  # `from eagle3 import config` names a module, `from eagle3.x import y` not
+                for alias in node.names:  # `from eagle3 import config` names a module, `from eagle3.x import y` not
                     sub = f"{node.module}.{alias.name}"
                     targets.add(sub if sub in modules else node.module)
             elif isinstance(node, ast.Import):

@@ -41,18 +41,31 @@ CASE = """\
 def run(tmp_path: Path, times: str) -> str:
     (tmp_path / "play.yml").write_text(PLAYBOOK)
     (tmp_path / "case.yml").write_text(CASE)
-    env = {**os.environ, "ANSIBLE_CALLBACK_PLUGINS": str(ROOT / "plugins" / "callback"),
-           "ANSIBLE_CALLBACKS_ENABLED": "task_times", "EAGLE3_TASK_TIMES": times, "ANSIBLE_NOCOLOR": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "ANSIBLE_CALLBACK_PLUGINS": str(ROOT / "plugins" / "callback"),
+        "ANSIBLE_CALLBACKS_ENABLED": "task_times",
+        "EAGLE3_TASK_TIMES": times,
+        "ANSIBLE_NOCOLOR": "1",
+    }
     proc = subprocess.run(
-        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", "-c", "local",
-         "-e", f"ansible_python_interpreter={sys.executable}",
-         str(tmp_path / "play.yml")],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).with_name("ansible-playbook")),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            str(tmp_path / "play.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (
-        "Callback dispatch" not in proc.stdout + proc.stderr
-    )  # every event, handlers too, reaches the callback
+    assert "Callback dispatch" not in proc.stdout + proc.stderr  # every event, handlers too, reaches the callback
     return proc.stdout
 
 

@@ -101,9 +101,7 @@ def test_oom_message_names_the_length_that_failed():
 def test_train_health_returns_when_steps_are_done(fake_systemd, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "status.json").write_text(
-        json.dumps(status(step=4, updated=time.time() + 1, tokens_per_s=123.0))
-    )
+    (run_dir / "status.json").write_text(json.dumps(status(step=4, updated=time.time() + 1, tokens_per_s=123.0)))
     res, rc = run_module(
         "train_health", {"run_dir": str(run_dir), "min_steps": 3, "timeout": 5, "poll_interval": 0.1}, capsys
     )
@@ -111,9 +109,7 @@ def test_train_health_returns_when_steps_are_done(fake_systemd, tmp_path, capsys
 
 
 def test_train_health_fails_on_crash_with_the_last_log_lines(fake_systemd, tmp_path, capsys):
-    (fake_systemd / "show").write_text(
-        "ActiveState=failed\nSubState=failed\nResult=exit-code\nExecMainStatus=1\n"
-    )
+    (fake_systemd / "show").write_text("ActiveState=failed\nSubState=failed\nResult=exit-code\nExecMainStatus=1\n")
     res, rc = run_module(
         "train_health",
         {"run_dir": str(tmp_path), "timeout": 5, "poll_interval": 0.1, "log_lines": 30},
@@ -125,18 +121,14 @@ def test_train_health_fails_on_crash_with_the_last_log_lines(fake_systemd, tmp_p
 
 def test_train_health_times_out_saying_what_it_saw(fake_systemd, tmp_path, capsys):
     (tmp_path / "status.json").write_text(json.dumps(status(step=1, updated=time.time() + 1)))
-    res, rc = run_module(
-        "train_health", {"run_dir": str(tmp_path), "timeout": 1, "poll_interval": 0.2}, capsys
-    )
+    res, rc = run_module("train_health", {"run_dir": str(tmp_path), "timeout": 1, "poll_interval": 0.2}, capsys)
     assert rc == 1 and res["verdict"] == "timeout"
     assert "not healthy after 1s" in res["msg"] and "step 1" in res["msg"]
 
 
 def test_train_health_polls_return_progress_until_the_run_is_healthy(fake_systemd, tmp_path, capsys):
     """poll_for: each call returns `waiting` with a progress line; the wait's start and baseline carry over."""
-    (tmp_path / "status.json").write_text(
-        json.dumps(status(step=1, updated=time.time() + 1, tokens_per_s=5207.3))
-    )
+    (tmp_path / "status.json").write_text(json.dumps(status(step=1, updated=time.time() + 1, tokens_per_s=5207.3)))
     args = {"run_dir": str(tmp_path), "min_steps": 3, "timeout": 60, "poll_interval": 0.05}
     first, rc = run_module("train_health", {**args, "poll_for": 0}, capsys)
     assert rc == 0 and first["verdict"] == "waiting" and first["baseline_step"] == 1
@@ -171,9 +163,7 @@ def test_train_health_names_a_crash_loop_at_once(fake_systemd, tmp_path, capsys)
     (tmp_path / "restart-backoff.json").write_text(
         json.dumps({"failures": 2, "last_exit": {"reason": "crash", "message": "No module named 'eagle3'"}})
     )
-    res, rc = run_module(
-        "train_health", {"run_dir": str(tmp_path), "timeout": 600, "poll_interval": 0.1}, capsys
-    )
+    res, rc = run_module("train_health", {"run_dir": str(tmp_path), "timeout": 600, "poll_interval": 0.1}, capsys)
     assert rc == 1 and res["verdict"] == "crash" and res["elapsed"] < 60
     assert "crash loop: 2 failed run(s) in a row" in res["msg"] and "No module named 'eagle3'" in res["msg"]
 
@@ -309,9 +299,7 @@ def test_a_run_started_before_the_check_must_advance_to_count_as_healthy(fake_sy
     )
     (fake_systemd / "show").write_text(show)
     (tmp_path / "status.json").write_text(json.dumps(status(step=500, updated=time.time())))
-    res, rc = run_module(
-        "train_health", {"run_dir": str(tmp_path), "timeout": 2, "poll_interval": 0.2}, capsys
-    )
+    res, rc = run_module("train_health", {"run_dir": str(tmp_path), "timeout": 2, "poll_interval": 0.2}, capsys)
     assert rc == 1 and res["verdict"] == "timeout" and "waiting to see it pass step 500" in res["msg"]
 
     # The same run, seen to complete a step during the wait: healthy.
@@ -321,9 +309,7 @@ def test_a_run_started_before_the_check_must_advance_to_count_as_healthy(fake_sy
 
     threading.Thread(target=advance).start()
     (tmp_path / "status.json").write_text(json.dumps(status(step=500, updated=time.time())))
-    res, rc = run_module(
-        "train_health", {"run_dir": str(tmp_path), "timeout": 10, "poll_interval": 0.2}, capsys
-    )
+    res, rc = run_module("train_health", {"run_dir": str(tmp_path), "timeout": 10, "poll_interval": 0.2}, capsys)
     assert rc == 0 and res["verdict"] == "healthy" and res["status"]["step"] == 501
 
 
@@ -348,8 +334,12 @@ def test_a_rescue_that_fails_again_with_the_same_message_does_not_print_it_twice
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "false"}
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", str(play)],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout
     assert proc.stdout.count("does not fit") == 1, proc.stdout
     assert "the error above (this node was stopped)" in proc.stdout, proc.stdout

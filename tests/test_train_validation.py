@@ -49,9 +49,7 @@ def test_doctests():
 
 
 def test_the_table_knows_exactly_the_role_variables():
-    specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"][
-        "options"
-    ]
+    specs = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
     assert set(VARIABLES) == set(defaults()), "defaults/main.yml and the table differ"
     assert set(VARIABLES) == set(specs), "meta/argument_specs.yml and the table differ"
 
@@ -88,39 +86,82 @@ def test_non_booleans_are_refused(name, value):
 
 # Bad values per kind: (value, what the line must say after "name=value ").
 BAD = {
-    "int": [("abc", "is not a whole number"), ("1.5", "is not a whole number"), (True, "is not a whole number"),
-            ("-7", "is out of range"), (None, "is not a whole number")],
-    "float": [("lots", "is not a number"), ("nan", "is not a number"), (False, "is not a number"),
-              ("-1", "is out of range")],
-    "abspath": [("relative/dir", "is not an absolute path"), ("", "is not an absolute path"),
-                (5, "is not an absolute path"), ("~/x", "is not an absolute path"),
-                ("/tmp; rm -rf /", "holds characters a path here may not have"),
-                ("/var/../etc", "is not normalised (it would be /etc)")],
-    "owned_dir": [("relative/dir", "is not an absolute path"), ("/tmp; rm -rf /", "holds characters a path here"),
-                  ("/var/../etc", "is not normalised (it would be /etc)"), ("/etc", "is a system folder"),
-                  ("/usr/lib/x", "lies in /usr/lib")],
-    "command": [("", "has the wrong form"), ("python3; id", "has the wrong form"), (3, "has the wrong form"),
-                ("/usr/../bin/python3", "is not normalised")],
+    "int": [
+        ("abc", "is not a whole number"),
+        ("1.5", "is not a whole number"),
+        (True, "is not a whole number"),
+        ("-7", "is out of range"),
+        (None, "is not a whole number"),
+    ],
+    "float": [
+        ("lots", "is not a number"),
+        ("nan", "is not a number"),
+        (False, "is not a number"),
+        ("-1", "is out of range"),
+    ],
+    "abspath": [
+        ("relative/dir", "is not an absolute path"),
+        ("", "is not an absolute path"),
+        (5, "is not an absolute path"),
+        ("~/x", "is not an absolute path"),
+        ("/tmp; rm -rf /", "holds characters a path here may not have"),
+        ("/var/../etc", "is not normalised (it would be /etc)"),
+    ],
+    "owned_dir": [
+        ("relative/dir", "is not an absolute path"),
+        ("/tmp; rm -rf /", "holds characters a path here"),
+        ("/var/../etc", "is not normalised (it would be /etc)"),
+        ("/etc", "is a system folder"),
+        ("/usr/lib/x", "lies in /usr/lib"),
+    ],
+    "command": [
+        ("", "has the wrong form"),
+        ("python3; id", "has the wrong form"),
+        (3, "has the wrong form"),
+        ("/usr/../bin/python3", "is not normalised"),
+    ],
     "host": [("", "has the wrong form"), ("a b", "has the wrong form"), ("$(id)", "has the wrong form")],
     "run_id": [("", "has the wrong form"), ("run 1", "has the wrong form"), ("x" * 65, "has the wrong form")],
     "ifname": [("eth 0", "has the wrong form"), ("x" * 16, "has the wrong form")],
-    "listen_address": [("9100", "has the wrong form"), ("0.0.0.0:9100 --web.x", "has the wrong form"),
-                       ("127.0.0.1:$PORT", "has the wrong form")],
+    "listen_address": [
+        ("9100", "has the wrong form"),
+        ("0.0.0.0:9100 --web.x", "has the wrong form"),
+        ("127.0.0.1:$PORT", "has the wrong form"),
+    ],
     "ib_hca": [("mlx5_0;id", "has the wrong form")],
     "list": [("--a b", "is not a list"), ({"a": 1}, "is not a list"), ([["x"]], "")],
-    "int_list": [("10,30", "is not a list of whole numbers"), ([], "is not a list of whole numbers"),
-                 ([10, "x"], "is not a list of whole numbers"), ([10, -1], "has a number out of range")],
-    "dict": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping"),
-             ({"A B": "x"}, "has the key A B"), ({"X": "a\nY=b"}, "holds a control character")],
+    "int_list": [
+        ("10,30", "is not a list of whole numbers"),
+        ([], "is not a list of whole numbers"),
+        ([10, "x"], "is not a list of whole numbers"),
+        ([10, -1], "has a number out of range"),
+    ],
+    "dict": [
+        ("a=b", "is not a mapping"),
+        ([1], "is not a mapping"),
+        (None, "is not a mapping"),
+        ({"A B": "x"}, "has the key A B"),
+        ({"X": "a\nY=b"}, "holds a control character"),
+    ],
     "trainer_config": [("a=b", "is not a mapping"), ([1], "is not a mapping"), (None, "is not a mapping")],
     "node_rank": [("-1", "is not a node rank"), ("first", "is not a node rank"), (1.5, "is not a node rank")],
     "nproc": [("0", "is not a worker count"), ("many", "is not a worker count"), (-2, "is not a worker count")],
-    "context_parallel": [("0", "is not a context-parallel size"), ("-1", "is not a context-parallel size"),
-                         ("abc", "is not a context-parallel size"), ("2.5", "is not a context-parallel size"),
-                         (True, "is not a context-parallel size"), ("", "is not a context-parallel size")],
-    "seq_len": [("1000", "is not a positive multiple of 128"), ("0", "is neither a positive multiple of 128 nor"),
-                ("big", "is neither"), ("-128", "is neither"), ("16384.0", "is neither")],
-}  # fmt: skip
+    "context_parallel": [
+        ("0", "is not a context-parallel size"),
+        ("-1", "is not a context-parallel size"),
+        ("abc", "is not a context-parallel size"),
+        ("2.5", "is not a context-parallel size"),
+        (True, "is not a context-parallel size"),
+        ("", "is not a context-parallel size"),
+    ],
+    "seq_len": [
+        ("1000", "is not a positive multiple of 128"),
+        ("0", "is neither a positive multiple of 128 nor"),
+        ("big", "is neither"),
+        ("-128", "is neither"),
+        ("16384.0", "is neither"),
+    ],
+}
 CASES = [
     (name, value, says)
     for name, entry in VARIABLES.items()
@@ -237,18 +278,10 @@ def test_unknown_names_are_typos_unless_the_defaults_know_them():
 
 
 def test_max_seq_len_is_reported_under_the_name_the_user_set():
-    (error,) = train_input_errors(
-        {"eagle3_train_max_seq_len": "24000"}, {"eagle3_train_max_seq_len": "max_seq_len"}
-    )
-    assert (
-        error.startswith("max_seq_len=24000 is not a positive multiple of 128")
-        and "try 23936 or 24064" in error
-    )
+    (error,) = train_input_errors({"eagle3_train_max_seq_len": "24000"}, {"eagle3_train_max_seq_len": "max_seq_len"})
+    assert error.startswith("max_seq_len=24000 is not a positive multiple of 128") and "try 23936 or 24064" in error
     (error,) = train_input_errors({"eagle3_train_max_seq_len": "x"})
-    assert (
-        error.startswith("eagle3_train_max_seq_len=x is neither")
-        and "-e eagle3_train_max_seq_len=auto" in error
-    )
+    assert error.startswith("eagle3_train_max_seq_len=x is neither") and "-e eagle3_train_max_seq_len=auto" in error
 
 
 # ------------------------------------------------------------------------------ the planner's verdict (seq_len_refusal)
@@ -273,13 +306,8 @@ def test_a_length_up_to_the_largest_fitting_one_runs(length):
 
 def test_a_length_above_the_largest_fitting_one_is_refused_with_that_length_and_the_memory():
     msg = " ".join(ti.seq_len_refusal(PLAN, "32768", "the smallest GPU (NVIDIA H200, 143771 MiB)").split())
-    assert msg.startswith(
-        "max_seq_len=32768 does not fit: the memory planner predicts 3.5 GiB per worker at 32768"
-    )
-    assert (
-        "against a budget of 2.25 GiB (2.5 GiB per worker from the smallest GPU (NVIDIA H200, 143771 MiB)"
-        in msg
-    )
+    assert msg.startswith("max_seq_len=32768 does not fit: the memory planner predicts 3.5 GiB per worker at 32768")
+    assert "against a budget of 2.25 GiB (2.5 GiB per worker from the smallest GPU (NVIDIA H200, 143771 MiB)" in msg
     assert "less the 10% margin of eagle3_train_plan_margin; 2 workers; analytic model)" in msg
     assert "The largest max_seq_len that fits is 20096 (predicted 2.25 GiB)" in msg
     assert "-e max_seq_len=20096" in msg and "-e eagle3_train_allow_unplanned_seq_len=true" in msg
@@ -288,10 +316,15 @@ def test_a_length_above_the_largest_fitting_one_is_refused_with_that_length_and_
 
 
 def test_a_length_that_fits_at_a_larger_context_parallel_is_offered_it():
-    plan = {**PLAN, "context_parallel": 1, "context_parallel_table": [
-        {"context_parallel": 1, "max_seq_len": 20096, "predicted_gb": 2.249},
-        {"context_parallel": 2, "max_seq_len": 30208, "predicted_gb": 2.2},
-        {"context_parallel": 4, "max_seq_len": 49152, "predicted_gb": 2.2}]}  # fmt: skip
+    plan = {
+        **PLAN,
+        "context_parallel": 1,
+        "context_parallel_table": [
+            {"context_parallel": 1, "max_seq_len": 20096, "predicted_gb": 2.249},
+            {"context_parallel": 2, "max_seq_len": 30208, "predicted_gb": 2.2},
+            {"context_parallel": 4, "max_seq_len": 49152, "predicted_gb": 2.2},
+        ],
+    }
     msg = " ".join(ti.seq_len_refusal(plan, "32768").split())
     assert "split each row over more workers (-e context_parallel=4, or auto)" in msg
     # The prediction names the planner's context_parallel; when no larger one fits, nothing is offered.
@@ -305,9 +338,15 @@ def test_a_length_that_fits_at_a_larger_context_parallel_is_offered_it():
 
 @pytest.mark.parametrize(
     ("cp", "world", "nnodes", "msl"),
-    [("auto", 3, 1, "16384"), ("1", 3, 1, "auto"), (2, 8, 2, "16384"), ("8", 8, 2, "auto"), (6, 12, 3, "auto"),
-     (3, 6, 1, "12288")],
-)  # fmt: skip
+    [
+        ("auto", 3, 1, "16384"),
+        ("1", 3, 1, "auto"),
+        (2, 8, 2, "16384"),
+        ("8", 8, 2, "auto"),
+        (6, 12, 3, "auto"),
+        (3, 6, 1, "12288"),
+    ],
+)
 def test_a_context_parallel_that_splits_the_workers_runs(cp, world, nnodes, msl):
     assert ti.context_parallel_refusal(cp, world, nnodes, msl) == ""
 
@@ -342,9 +381,7 @@ PLAY = """\
 
 def local_budget() -> float:
     """The local inventory's planner budget: the demo's max_seq_len=16384 must fit it."""
-    return yaml.safe_load((ROOT / "inventory/local/group_vars/training.yml").read_text())[
-        "eagle3_train_plan_memory_gb"
-    ]
+    return yaml.safe_load((ROOT / "inventory/local/group_vars/training.yml").read_text())["eagle3_train_plan_memory_gb"]
 
 
 @pytest.fixture(scope="module")
@@ -359,8 +396,11 @@ def planner_target(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
     made = subprocess.run(
         [str(TRAIN_PYTHON), "-m", "eagle3", "synth", str(base / "data"), *synth],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     if made.returncode != 0:
         pytest.skip(f"eagle3 synth does not run here: {made.stderr[-500:]}")
     (base / "play.yml").write_text(PLAY)
@@ -437,9 +477,7 @@ def test_an_expert_can_run_an_unplanned_length(planner_target):
         "eagle3_train_allow_unplanned_seq_len=True",
     )
     assert rc == 0, out[-3000:]
-    assert (
-        "max_seq_len=65536 is not checked against memory: eagle3_train_allow_unplanned_seq_len is true" in out
-    )
+    assert "max_seq_len=65536 is not checked against memory: eagle3_train_allow_unplanned_seq_len is true" in out
 
 
 @pytest.mark.slow
@@ -470,20 +508,23 @@ def test_zero_budget_means_the_smallest_gpu(planner_target):
 def test_context_parallel_auto_fails_where_the_planner_does_not_run(planner_target):
     rc, out = plan(planner_target, "16384", "eagle3_train__cp=auto")
     assert rc == 2, out[-3000:]
-    assert (
-        "context_parallel=auto needs the memory planner to pick it, and max_seq_len=16384 is not planned"
-        in out
-    )
+    assert "context_parallel=auto needs the memory planner to pick it, and max_seq_len=16384 is not planned" in out
     assert "-e context_parallel=2" in out and "The service was not touched." in out
-    rc, out = plan(planner_target, "65536", "eagle3_train__cp=auto", "eagle3_train_plan_memory_gb=1.6",
-                   "eagle3_train_allow_unplanned_seq_len=true")  # fmt: skip
+    rc, out = plan(
+        planner_target,
+        "65536",
+        "eagle3_train__cp=auto",
+        "eagle3_train_plan_memory_gb=1.6",
+        "eagle3_train_allow_unplanned_seq_len=true",
+    )
     assert rc == 2 and "eagle3_train_allow_unplanned_seq_len is true" in out, out[-3000:]
 
 
 def planner_has_context_parallel() -> bool:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
-    proc = subprocess.run([str(TRAIN_PYTHON), "-m", "eagle3", "plan", "--help"], capture_output=True, text=True,
-                          env=env, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [str(TRAIN_PYTHON), "-m", "eagle3", "plan", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
     return "--context-parallel" in proc.stdout
 
 
@@ -496,13 +537,9 @@ def test_plan_yml_with_context_parallel(planner_target):
     budget = f"eagle3_train_plan_memory_gb={local_budget()}"
     rc, out = plan(planner_target, "auto", "eagle3_train__cp=auto", budget)
     assert rc == 0, out[-3000:]
-    assert re.search(r"max_seq_len=auto -> \d+, context_parallel=auto -> [12] \(data_parallel [12]\)", out), (
-        out[-3000:]
-    )
+    assert re.search(r"max_seq_len=auto -> \d+, context_parallel=auto -> [12] \(data_parallel [12]\)", out), out[-3000:]
     assert "The largest max_seq_len per context_parallel: 1 -> " in out
-    rc, out = plan(
-        planner_target, "16384", "eagle3_train__cp=3", budget
-    )  # 2 workers (validate.yml refuses it first)
+    rc, out = plan(planner_target, "16384", "eagle3_train__cp=3", budget)  # 2 workers (validate.yml refuses it first)
     assert rc == 2, out[-3000:]
     assert "max_seq_len=16384, context_parallel=3: the memory planner refuses the run (exit 2)" in out
     out = out.replace("''", "'")  # (YAML's quoting of the message)
@@ -515,18 +552,40 @@ def test_planner_json_has_what_the_verdict_reads(planner_target):
     """The fields seq_len_refusal reads come from `eagle3 plan --json --lengths N` (eagle3/plan/cli.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
     cfg = planner_target / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"max_seq_len": 128, "data_dir": str(planner_target / "data"), "num_threads": 1,
-                                   "run_dir": str(planner_target / "run")}))  # fmt: skip
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "max_seq_len": 128,
+                "data_dir": str(planner_target / "data"),
+                "num_threads": 1,
+                "run_dir": str(planner_target / "run"),
+            }
+        )
+    )
     proc = subprocess.run(
-        [str(TRAIN_PYTHON), "-m", "eagle3", "plan", "--json", "--config", str(cfg), "--world-size", "2",
-         "--memory-gb", "1.6", "--lengths", "65536"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            str(TRAIN_PYTHON),
+            "-m",
+            "eagle3",
+            "plan",
+            "--json",
+            "--config",
+            str(cfg),
+            "--world-size",
+            "2",
+            "--memory-gb",
+            "1.6",
+            "--lengths",
+            "65536",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert {"max_seq_len", "predicted_gb", "memory_gb", "margin", "budget_gb", "world_size", "source"} <= set(
-        result
-    )
+    assert {"max_seq_len", "predicted_gb", "memory_gb", "margin", "budget_gb", "world_size", "source"} <= set(result)
     assert result["table"] == [
         {"max_seq_len": 65536, "predicted_gb": result["table"][0]["predicted_gb"], "fits": False}
     ]
@@ -535,16 +594,13 @@ def test_planner_json_has_what_the_verdict_reads(planner_target):
 
 def test_trainer_settings_are_checked_by_the_trainers_own_declaration_naming_the_variable():
     errors = train_input_errors(
-        {"eagle3_train_config": {"epochs": 0, "lr": 0.001}, "eagle3_train_config_overrides": {"checkpoint_every": -1,
-         "ttt_step": 3}, "eagle3_train_max_seq_len": "auto"}
-    )  # fmt: skip
+        {
+            "eagle3_train_config": {"epochs": 0, "lr": 0.001},
+            "eagle3_train_config_overrides": {"checkpoint_every": -1, "ttt_step": 3},
+            "eagle3_train_max_seq_len": "auto",
+        }
+    )
     assert "eagle3_train_config: epochs=0 must be at least 1 (the trainer refuses it)" in errors
-    assert (
-        "eagle3_train_config_overrides: checkpoint_every=-1 must be at least 1 (the trainer refuses it)"
-        in errors
-    )
-    assert (
-        "eagle3_train_config_overrides: ttt_step is not a trainer config key; did you mean ttt_steps?"
-        in errors
-    )
+    assert "eagle3_train_config_overrides: checkpoint_every=-1 must be at least 1 (the trainer refuses it)" in errors
+    assert "eagle3_train_config_overrides: ttt_step is not a trainer config key; did you mean ttt_steps?" in errors
     assert not any("memory" in e or "allow_unplanned" in e for e in errors)  # not the planner's business

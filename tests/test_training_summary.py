@@ -14,10 +14,21 @@ summary = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summary)
 
 RUNNING = {
-    "phase": "training", "step": 40, "world_size": 2, "max_seq_len": 16384, "step_time_s": 4.0,
-    "tokens_per_s": 8252.0, "tokens_per_s_per_rank": 4126.0, "peak_mem_gb": 1.4, "mem_kind": "rss",
-    "loss": 3.2, "full_acc_0": 0.41, "eta_s": 3725, "last_checkpoint_step": 38, "last_checkpoint_time": 900.0,
-}  # fmt: skip
+    "phase": "training",
+    "step": 40,
+    "world_size": 2,
+    "max_seq_len": 16384,
+    "step_time_s": 4.0,
+    "tokens_per_s": 8252.0,
+    "tokens_per_s_per_rank": 4126.0,
+    "peak_mem_gb": 1.4,
+    "mem_kind": "rss",
+    "loss": 3.2,
+    "full_acc_0": 0.41,
+    "eta_s": 3725,
+    "last_checkpoint_step": 38,
+    "last_checkpoint_time": 900.0,
+}
 
 
 def report(state: str, reason: str = "", detail: str = "", **extra) -> dict:
@@ -106,18 +117,16 @@ def test_gpu_holders_outside_the_unit_are_named_with_user_and_command():
         "paths": ["/dev/nvidia0"],
         "cmdline": "x",
     }
-    lines = summary.training_summary(
-        report("running", foreign_holders=[holder], protected_holders=[guard]), []
-    )
-    assert (
-        "GPU held outside the unit: pid 4242 python3 (user alice): python3 nb.py holds /dev/nvidia1" in lines
-    )
+    lines = summary.training_summary(report("running", foreign_holders=[holder], protected_holders=[guard]), [])
+    assert "GPU held outside the unit: pid 4242 python3 (user alice): python3 nb.py holds /dev/nvidia1" in lines
     assert any(line.startswith("GPU held by a protected process (never signalled): pid 7") for line in lines)
 
 
 def test_a_stop_that_had_to_kill_says_so():
-    stop = {"message": "workers ignored SIGTERM for 60 s: rank 1 (pid 4242) got SIGKILL; 7 step(s) since the last "
-            "checkpoint (step 50) are lost"}  # fmt: skip
+    stop = {
+        "message": "workers ignored SIGTERM for 60 s: rank 1 (pid 4242) got SIGKILL; 7 step(s) since the last "
+        "checkpoint (step 50) are lost"
+    }
     lines = summary.training_summary(report("failed", reason="signal: killed by SIGKILL", last_stop=stop), [])
     assert f"last stop: {stop['message']}" in lines
 

@@ -25,8 +25,15 @@ import time
 
 from ansible.plugins.callback import CallbackBase
 
-INCLUDES = {"include_tasks", "ansible.builtin.include_tasks", "include_role", "ansible.builtin.include_role",
-            "import_tasks", "ansible.builtin.import_tasks", "block"}  # fmt: skip
+INCLUDES = {
+    "include_tasks",
+    "ansible.builtin.include_tasks",
+    "include_role",
+    "ansible.builtin.include_role",
+    "import_tasks",
+    "ansible.builtin.import_tasks",
+    "block",
+}
 
 
 def case_of(task) -> str | None:
@@ -106,17 +113,13 @@ class CallbackModule(CallbackBase):
             return
         self._close()
         total = sum(self._tasks.values())
-        self._display.display(
-            f"\ntask times: {len(self._tasks)} tasks, {total:.1f} s; the slowest {self._limit}:"
-        )
+        self._display.display(f"\ntask times: {len(self._tasks)} tasks, {total:.1f} s; the slowest {self._limit}:")
         for line in table(self._tasks, self._limit):
             self._display.display(line)
         self._display.display("summed by task name (a task run many times, in loops and cases):")
         for line in table(self._names, min(self._limit, 15)):
             self._display.display(line)
         if self._cases:
-            self._display.display(
-                f"case times ({sum(self._cases.values()):.1f} s in {len(self._cases)} cases):"
-            )
+            self._display.display(f"case times ({sum(self._cases.values()):.1f} s in {len(self._cases)} cases):")
             for case, secs in self._cases.items():
                 self._display.display(f"  {secs:6.1f} s  {case}")

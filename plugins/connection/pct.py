@@ -360,9 +360,7 @@ class Connection(ConnectionBase):
                 raise AnsibleError(f"pct: cannot create the ssh control socket folder {folder}: {e}") from e
             path = os.path.join(
                 folder,
-                control_socket_name(
-                    self.get_option("node_user"), self.get_option("node"), self.get_option("ssh_args")
-                ),
+                control_socket_name(self.get_option("node_user"), self.get_option("node"), self.get_option("ssh_args")),
             )
         return path
 
@@ -417,9 +415,7 @@ class Connection(ConnectionBase):
         except subprocess.TimeoutExpired as e:
             proc.kill()
             proc.communicate()
-            raise AnsibleConnectionFailure(
-                f"pct: command timed out after {timeout}s: {shlex.join(inner)}"
-            ) from e
+            raise AnsibleConnectionFailure(f"pct: command timed out after {timeout}s: {shlex.join(inner)}") from e
         finally:
             if feed is not None:
                 feed.join()
@@ -445,9 +441,7 @@ class Connection(ConnectionBase):
         with open(b_in, "rb") as f:
             rc, _out, err = self._run(["/bin/sh", "-c", f"cat > {shlex.quote(out_path)}"], f)
         if rc != 0:
-            raise AnsibleError(
-                f"pct: failed to write {out_path} in CT {self.get_option('vmid')}: {to_text(err)}"
-            )
+            raise AnsibleError(f"pct: failed to write {out_path} in CT {self.get_option('vmid')}: {to_text(err)}")
 
     def fetch_file(self, in_path, out_path):
         super().fetch_file(in_path, out_path)
@@ -461,9 +455,7 @@ class Connection(ConnectionBase):
                     f.flush()
                     os.fsync(f.fileno())
             if rc != 0:
-                raise AnsibleError(
-                    f"pct: failed to read {in_path} in CT {self.get_option('vmid')}: {to_text(err)}"
-                )
+                raise AnsibleError(f"pct: failed to read {in_path} in CT {self.get_option('vmid')}: {to_text(err)}")
             os.replace(tmp, b_out)
         except BaseException:
             try:

@@ -317,15 +317,11 @@ def _command():
             return "has the wrong form"
         return None
 
-    check.allowed = (
-        "a command name found on PATH (letters, digits, _ . + -) or an absolute path, e.g. python3"
-    )
+    check.allowed = "a command name found on PATH (letters, digits, _ . + -) or an absolute path, e.g. python3"
     return check
 
 
-_HOSTNAME = re.compile(
-    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
-)
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
 def bind_address_problem(value) -> str | None:
@@ -381,9 +377,7 @@ KINDS = {
         r"[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\-]*)?\.service",
         "a systemd service name, e.g. eagle3-train.service",
     ),
-    "env_marker": _kind(
-        r"[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.:/@+-]+", "NAME=VALUE, e.g. EAGLE3_JOB=eagle3-train"
-    ),
+    "env_marker": _kind(r"[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.:/@+-]+", "NAME=VALUE, e.g. EAGLE3_JOB=eagle3-train"),
     "worker_env_name": _worker_env_name(),
     "job_env_name": _job_env_name(),
     "env_value": _kind(
@@ -391,9 +385,7 @@ KINDS = {
         "a value of letters, digits and _ . , : / @ + = - (what device lists, sizes and names need), e.g. 0,1,2,3",
     ),
     "env_name": _kind(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name (letters, digits, _)"),
-    "proc_glob": _kind(
-        r"[A-Za-z0-9_.:@+*?\[\]-]+", "a process name or glob, e.g. nvidia-persistenced or dcgm*", 64
-    ),
+    "proc_glob": _kind(r"[A-Za-z0-9_.:@+*?\[\]-]+", "a process name or glob, e.g. nvidia-persistenced or dcgm*", 64),
     "regex": _regex(),
     "host": _kind(
         r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*",
@@ -405,9 +397,7 @@ KINDS = {
         "a model name of letters, digits and _ . : / @ + -, e.g. kimi-k2.5-eagle3",
     ),
     "inventory_host": _kind(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", "an inventory host name"),
-    "ifname": _kind(
-        r"[A-Za-z0-9_.:-]{1,15}", "a network interface name (at most 15 letters, digits, _ . : -)"
-    ),
+    "ifname": _kind(r"[A-Za-z0-9_.:-]{1,15}", "a network interface name (at most 15 letters, digits, _ . : -)"),
     "ib_hca": _kind(
         r"[=^]{0,2}[A-Za-z0-9_]+(:[0-9]+)?(,[A-Za-z0-9_]+(:[0-9]+)?)*",
         "NCCL_IB_HCA's syntax, e.g. mlx5_0,mlx5_1",
@@ -419,9 +409,7 @@ KINDS = {
     "command": _command(),
     "flag": _flag(),
     "text": _text("any printable text on one line"),
-    "argv_item": _text(
-        "one command-line argument: any printable text on one line (passed as it is, never to a shell)"
-    ),
+    "argv_item": _text("one command-line argument: any printable text on one line (passed as it is, never to a shell)"),
     "secret": _text("any printable text on one line (kept out of logs)"),
     "url": _kind(
         r"https?://[A-Za-z0-9.-]+(:[0-9]+)?(/[A-Za-z0-9._~%/+:@=,-]*)?",
@@ -431,17 +419,11 @@ KINDS = {
     "deb_suite": _kind(r"[a-z][a-z0-9-]*", "a Debian suite name, e.g. bookworm"),
     "deb_package": _kind(r"[a-z0-9][a-z0-9+.-]+", "a Debian package name, e.g. systemd"),
     "version": _kind(r"[0-9]+(\.[0-9]+)*", "a version of digits and dots, e.g. 570.133.20"),
-    "checksum": _kind(
-        r"(sha1|sha224|sha256|sha384|sha512|md5):[0-9a-fA-F]+", "ALGORITHM:HEX, e.g. sha256:0123..."
-    ),
+    "checksum": _kind(r"(sha1|sha224|sha256|sha384|sha512|md5):[0-9a-fA-F]+", "ALGORITHM:HEX, e.g. sha256:0123..."),
     "pve_volume": _kind(r"[A-Za-z0-9_.-]+:[A-Za-z0-9_./+-]+", "a Proxmox storage:volume, e.g. local-lvm:64"),
-    "pve_property": _kind(
-        r"[A-Za-z0-9_.,=:/+-]+", "a Proxmox property string, e.g. name=eth0,bridge=vmbr0,ip=dhcp"
-    ),
+    "pve_property": _kind(r"[A-Za-z0-9_.,=:/+-]+", "a Proxmox property string, e.g. name=eth0,bridge=vmbr0,ip=dhcp"),
     "pve_user": _kind(r"[A-Za-z0-9._-]+@[A-Za-z0-9._-]+", "USER@REALM, e.g. root@pam"),
-    "pve_token_id": _kind(
-        r"[A-Za-z0-9._-]+@[A-Za-z0-9._-]+![A-Za-z0-9._-]+", "USER@REALM!TOKEN, e.g. root@pam!eagle3"
-    ),
+    "pve_token_id": _kind(r"[A-Za-z0-9._-]+@[A-Za-z0-9._-]+![A-Za-z0-9._-]+", "USER@REALM!TOKEN, e.g. root@pam!eagle3"),
     "dns_label": _kind(
         r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*",
         "a host name (letters, digits, -)",

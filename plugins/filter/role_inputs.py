@@ -61,9 +61,7 @@ def _check_number(name: str, value, spec: dict) -> str | None:
     number = as_int(value) if integer else as_float(value)
     allowed = _range_text(spec, "a whole number" if integer else "a number")
     if number is None:
-        return (
-            f"{name}={show(value)} is not {'a whole number' if integer else 'a number'}; allowed: {allowed}"
-        )
+        return f"{name}={show(value)} is not {'a whole number' if integer else 'a number'}; allowed: {allowed}"
     if (
         ("min" in spec and number < spec["min"])
         or ("max" in spec and number > spec["max"])
@@ -248,8 +246,9 @@ def trainer_config_errors(config: dict, overrides: dict, max_seq_len) -> list[st
             errors.append(f"{source}: {show(key)} is not a trainer config key; {hint}")
             continue
         try:
-            config_module.build_config({"data_dir": "/data", "run_dir": "/run",
-                                        "max_seq_len": values["max_seq_len"], key: values[key]}, {})  # fmt: skip
+            config_module.build_config(
+                {"data_dir": "/data", "run_dir": "/run", "max_seq_len": values["max_seq_len"], key: values[key]}, {}
+            )
         except config_module.ConfigError as e:
             errors.append(f"{source}: {e} (the trainer refuses it)")
     if errors:
@@ -261,9 +260,7 @@ def trainer_config_errors(config: dict, overrides: dict, max_seq_len) -> list[st
     return errors
 
 
-def role_input_errors(
-    values: dict, role, aliases: dict | None = None, known: list | None = None
-) -> list[str]:
+def role_input_errors(values: dict, role, aliases: dict | None = None, known: list | None = None) -> list[str]:
     """Every problem with a role's variables, in the table's order, then the unknown names with its prefix.
     `role` may be a list of roles: a playbook checks the variables of every role it will reach, at its start.
 
@@ -277,8 +274,13 @@ def role_input_errors(
     ['eagle3_train_synth_if_mising=true is not a variable of the eagle3_train role; did you mean eagle3_train_synth_if_missing?']
     """
     if isinstance(role, (list, tuple)):
-        return [e for r in role for e in role_input_errors({k: v for k, v in values.items()
-                if k.startswith(f"{r}_") or k in ROLE_VARIABLES[r]}, r, aliases, known)]  # fmt: skip
+        return [
+            e
+            for r in role
+            for e in role_input_errors(
+                {k: v for k, v in values.items() if k.startswith(f"{r}_") or k in ROLE_VARIABLES[r]}, r, aliases, known
+            )
+        ]
     table = ROLE_VARIABLES[role]
     aliases = aliases or {}
     errors = []
@@ -287,9 +289,7 @@ def role_input_errors(
             problem = check(aliases.get(name, name), values[name], spec)
             if problem:
                 errors.append(problem)
-    config_ok = not any(
-        e.startswith(("eagle3_train_config=", "eagle3_train_config_overrides")) for e in errors
-    )
+    config_ok = not any(e.startswith(("eagle3_train_config=", "eagle3_train_config_overrides")) for e in errors)
     if role == "eagle3_train" and config_ok:
         errors += trainer_config_errors(
             values.get("eagle3_train_config", {}),
@@ -321,29 +321,21 @@ def stray_variables(names: list, extra_known: list | None = None) -> list[str]:
      'run_dir is not a variable of these playbooks; did you mean eagle3_train_run_dir or eagle3_evaluate_run_dir or
       eagle3_serve_run_dir?']
     """
-    known = (
-        {n for table in ROLE_VARIABLES.values() for n in table} | set(PLAYBOOK_NAMES) | set(extra_known or ())
-    )
+    known = {n for table in ROLE_VARIABLES.values() for n in table} | set(PLAYBOOK_NAMES) | set(extra_known or ())
     suffixes: dict[str, list[str]] = {}
     for role, table in ROLE_VARIABLES.items():
         for n in table:
             suffix = n[len(role) + 1 :]
-            if (
-                "_" in suffix
-            ):  # run_dir, term_timeout; a one-word suffix (unit, state, path) is too common a name
+            if "_" in suffix:  # run_dir, term_timeout; a one-word suffix (unit, state, path) is too common a name
                 suffixes.setdefault(suffix, []).append(n)
     keys = set(trainer().SPECS)
     prefixes = tuple(f"{role}_" for role in ROLE_VARIABLES)
     out = []
     for name in sorted(set(names) - known):
-        if name.startswith(
-            ("ansible_", "molecule_", "inventory_", "group_", "play", "role_", "omit", *prefixes)
-        ):
+        if name.startswith(("ansible_", "molecule_", "inventory_", "group_", "play", "role_", "omit", *prefixes)):
             continue  # Ansible's own, or a role's (its own check names typos with its prefix)
         if name in suffixes:
-            out.append(
-                f"{name} is not a variable of these playbooks; did you mean {' or '.join(suffixes[name])}?"
-            )
+            out.append(f"{name} is not a variable of these playbooks; did you mean {' or '.join(suffixes[name])}?")
         elif name in keys:
             out.append(
                 f"{name} is not a variable of these playbooks: a trainer setting goes in "

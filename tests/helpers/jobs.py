@@ -63,9 +63,7 @@ class Jobs:
         self.started: list[Job] = []
         self.count = 0
 
-    def start(
-        self, *args: str, marker: str | None = MARKER, expect: int = 1, new_session: bool = True
-    ) -> Job:
+    def start(self, *args: str, marker: str | None = MARKER, expect: int = 1, new_session: bool = True) -> Job:
         """Run holder.py with ``args``; wait until ``expect`` processes have recorded themselves."""
         self.count += 1
         pidfile = self.tmp / f"job{self.count}.pids"

@@ -140,9 +140,7 @@ def _block_scores(q_scaled, k0, doc_start, block):
     """
     a, b, key_start, last_start = block
     groups = q_scaled.shape[0] // k0.shape[0]
-    scores = torch.matmul(
-        q_scaled, _expand_kv(_acc(k0[:, key_start:b]), groups).transpose(1, 2)
-    )  # [nh, B, R]
+    scores = torch.matmul(q_scaled, _expand_kv(_acc(k0[:, key_start:b]), groups).transpose(1, 2))  # [nh, B, R]
     n_q = b - a
     idx = torch.arange(n_q, device=scores.device)
     future = idx[None, :] > idx[:, None]  # [B, B] (bool triu_ is ~1000x slower on CPU here)
@@ -159,9 +157,7 @@ def _diag_scores(q_scaled, diag_keys, a, b):
     if not diag_keys:
         return q_scaled.new_empty(q_scaled.shape[0], q_scaled.shape[1], 0)
     groups = q_scaled.shape[0] // diag_keys[0].shape[0]
-    return torch.stack(
-        [(q_scaled * _expand_kv(_acc(kd[:, a:b]), groups)).sum(-1) for kd in diag_keys], dim=-1
-    )
+    return torch.stack([(q_scaled * _expand_kv(_acc(kd[:, a:b]), groups)).sum(-1) for kd in diag_keys], dim=-1)
 
 
 class BlockwiseTTTAttention(torch.autograd.Function):
@@ -209,9 +205,7 @@ class BlockwiseTTTAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         doc_start, q, k0, v0, out, lse, *diag = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            grads = BlockwiseTTTAttention._backward(
-                ctx.block_size, grad_out, doc_start, q, k0, v0, out, lse, diag
-            )
+            grads = BlockwiseTTTAttention._backward(ctx.block_size, grad_out, doc_start, q, k0, v0, out, lse, diag)
         return None, None, *grads
 
     @staticmethod
@@ -239,9 +233,7 @@ class BlockwiseTTTAttention(torch.autograd.Function):
             dk0[:, key_start:b] += _fold_kv(torch.matmul(ds.transpose(1, 2), q_scaled), groups)
             for i, (kd, vd) in enumerate(zip(diag_k, diag_v, strict=True)):
                 pd = p_diag[..., i, None]  # [nh, B, 1]
-                dsd = pd * (
-                    (g * _expand_kv(_acc(vd[:, a:b]), groups)).sum(-1, keepdim=True) - delta
-                )  # [nh, B, 1]
+                dsd = pd * ((g * _expand_kv(_acc(vd[:, a:b]), groups)).sum(-1, keepdim=True) - delta)  # [nh, B, 1]
                 dq_blk += dsd * _expand_kv(_acc(kd[:, a:b]), groups)
                 d_diag[2 * i][:, a:b] = _fold_kv(dsd * q_scaled, groups)
                 d_diag[2 * i + 1][:, a:b] = _fold_kv(pd * g, groups)

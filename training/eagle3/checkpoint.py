@@ -379,9 +379,7 @@ def quarantine(path: Path) -> Path:
     return target
 
 
-def choose_resume(
-    run_dir: str | os.PathLike, warn: Callable[[str], None] = print
-) -> tuple[Path | None, list[dict]]:
+def choose_resume(run_dir: str | os.PathLike, warn: Callable[[str], None] = print) -> tuple[Path | None, list[dict]]:
     """The newest checkpoint that verifies, and the ones skipped on the way ({name, reason, moved_to}).
 
     Each skipped one is renamed aside (or, when that fails, left in place and said so) with one warning line.
@@ -396,18 +394,14 @@ def choose_resume(
             where = f"moved aside to {moved}"
             moved_to = moved.name
         except OSError as e:
-            where = (
-                f"left in place (renaming it failed: {e.strerror or e}); it will be tried again next start"
-            )
+            where = f"left in place (renaming it failed: {e.strerror or e}); it will be tried again next start"
             moved_to = None
         warn(f"warning: checkpoint {path} skipped: {reason}; {where}")
         skipped.append({"name": path.name, "reason": reason, "moved_to": moved_to})
     return None, skipped
 
 
-def newest_verified(
-    run_dir: str | os.PathLike, warn: Callable[[str], None] = print
-) -> tuple[Path | None, list[dict]]:
+def newest_verified(run_dir: str | os.PathLike, warn: Callable[[str], None] = print) -> tuple[Path | None, list[dict]]:
     """The newest checkpoint that verifies, and the damaged ones passed over on the way ({name, reason}), for the
     commands that only read a run (`eagle3 evaluate`, `eagle3 export`): like choose_resume, but nothing is renamed.
 

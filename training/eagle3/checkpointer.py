@@ -99,9 +99,16 @@ class Checkpointer:
         of steps of that epoch's plan under the current settings."""
         cfg = self.cfg
         fresh = ckpt.TrainerState(
-            step=0, epoch=0, step_in_epoch=0, samples_seen=0, world_size=self.info.world_size,
-            max_seq_len=cfg.max_seq_len, seed=cfg.seed, packing=cfg.packing, context_parallel=cfg.context_parallel,
-        )  # fmt: skip
+            step=0,
+            epoch=0,
+            step_in_epoch=0,
+            samples_seen=0,
+            world_size=self.info.world_size,
+            max_seq_len=cfg.max_seq_len,
+            seed=cfg.seed,
+            packing=cfg.packing,
+            context_parallel=cfg.context_parallel,
+        )
         choice = None
         if self.info.is_main:  # rank 0 verifies (hashes every file once) and tells the others
             found, skipped = ckpt.choose_resume(cfg.run_dir, warn=self.log)
@@ -123,8 +130,13 @@ class Checkpointer:
         if note:
             self.log(note)
         # The epoch plan's inputs (eagle3.packing.plan_epoch) as the checkpoint recorded them and as they are now.
-        now = {"world_size": self.info.world_size, "context_parallel": cfg.context_parallel,
-               "max_seq_len": cfg.max_seq_len, "seed": cfg.seed, "packing": cfg.packing}  # fmt: skip
+        now = {
+            "world_size": self.info.world_size,
+            "context_parallel": cfg.context_parallel,
+            "max_seq_len": cfg.max_seq_len,
+            "seed": cfg.seed,
+            "packing": cfg.packing,
+        }
         changed = [
             f"{k} {getattr(state, k)} -> {v}"
             + (f" (packing: {state.packing} keeps the checkpoint's plan)" if k == "packing" else "")
@@ -142,9 +154,11 @@ class Checkpointer:
             f"step {state.step_in_epoch} in the epoch"
         )
         self.files.update_status(
-            resumed_from_step=resumed_at, resumed_from_checkpoint=str(path),
-            last_checkpoint_step=resumed_at, last_checkpoint_time=ckpt.checkpoint_time(path),
-        )  # fmt: skip
+            resumed_from_step=resumed_at,
+            resumed_from_checkpoint=str(path),
+            last_checkpoint_step=resumed_at,
+            last_checkpoint_time=ckpt.checkpoint_time(path),
+        )
         return state
 
     def layout_note(self, path: Path, saved_world: int) -> str | None:
@@ -252,9 +266,7 @@ class Checkpointer:
         errno_name = ckpt.storage_errno(failure) if failure is not None else None
         names = [name for _, name in ckpt.STORAGE_ERRNOS]
         code = 0 if failure is None else 1 if errno_name is None else 2 + names.index(errno_name)
-        code = int(
-            dist_utils.all_reduce(torch.tensor([float(code)], dtype=torch.float64), self.info, "max").item()
-        )
+        code = int(dist_utils.all_reduce(torch.tensor([float(code)], dtype=torch.float64), self.info, "max").item())
         if code == 0:
             return
         root = ckpt.checkpoints_dir(self.cfg.run_dir)
@@ -302,8 +314,6 @@ def storage_problem(root: Path, errno_name: str) -> str:
     with contextlib.suppress(OSError):
         free_bytes = shutil.disk_usage(root).free
         free = (
-            f", {free_bytes / 2**30:.1f} GiB free now"
-            if free_bytes >= 2**30
-            else f", {free_bytes >> 20} MiB free now"
+            f", {free_bytes / 2**30:.1f} GiB free now" if free_bytes >= 2**30 else f", {free_bytes >> 20} MiB free now"
         )
     return f"disk full on {root} ({why}{free}): free space or choose another run_dir"

@@ -54,15 +54,27 @@ def export_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="the run directory of `eagle3 train` (its checkpoints and config)")
     p.add_argument("out_dir", help="directory to write config.json and model.safetensors into")
-    p.add_argument("--checkpoint", default="best", metavar="best|latest|PATH",
-                   help="which checkpoint: best (the newest valid one when no validation ran), latest, "
-                   "or a checkpoint directory")  # fmt: skip
-    p.add_argument("--verifier", default=None, metavar="NAME",
-                   help="the target model's name or path, recorded for vLLM (default: the dataset's "
-                   "index.json `verifier`; one of the two is required)")  # fmt: skip
-    p.add_argument("--verifier-arch", action="append", default=None, metavar="ARCH",
-                   help="the target's HF architecture, e.g. LlamaForCausalLM (repeatable; default: the "
-                   "dataset's index.json `verifier`)")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        metavar="best|latest|PATH",
+        help="which checkpoint: best (the newest valid one when no validation ran), latest, or a checkpoint directory",
+    )
+    p.add_argument(
+        "--verifier",
+        default=None,
+        metavar="NAME",
+        help="the target model's name or path, recorded for vLLM (default: the dataset's "
+        "index.json `verifier`; one of the two is required)",
+    )
+    p.add_argument(
+        "--verifier-arch",
+        action="append",
+        default=None,
+        metavar="ARCH",
+        help="the target's HF architecture, e.g. LlamaForCausalLM (repeatable; default: the "
+        "dataset's index.json `verifier`)",
+    )
     return p
 
 
@@ -124,15 +136,31 @@ def import_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="directory with hidden_states/hs_{i}.safetensors (and loss_masks.jsonl)")
     p.add_argument("out", help="the new native dataset directory")
-    p.add_argument("--target-weights", required=True, metavar="PATH",
-                   help="safetensors with embed/final_norm/lm_head (or HF names), or an HF model directory "
-                   "(required)")  # fmt: skip
-    p.add_argument("--draft-vocab", type=int, default=32000, metavar="INT",
-                   help="draft vocab size: the most frequent supervised target tokens")  # fmt: skip
-    p.add_argument("--aux-layer-ids", required=True, metavar="A,B,C",
-                   help="the three target layers the hidden states came from, e.g. 2,30,58 (required)")  # fmt: skip
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="dtype of the stored hidden states")  # fmt: skip
+    p.add_argument(
+        "--target-weights",
+        required=True,
+        metavar="PATH",
+        help="safetensors with embed/final_norm/lm_head (or HF names), or an HF model directory (required)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=32000,
+        metavar="INT",
+        help="draft vocab size: the most frequent supervised target tokens",
+    )
+    p.add_argument(
+        "--aux-layer-ids",
+        required=True,
+        metavar="A,B,C",
+        help="the three target layers the hidden states came from, e.g. 2,30,58 (required)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="dtype of the stored hidden states",
+    )
     return p
 
 
@@ -150,9 +178,14 @@ def cmd_import(argv: list[str]) -> int:
     if len(aux) != 3:
         raise ConfigError(f"--aux-layer-ids {args.aux_layer_ids!r} must name exactly 3 layers")
     index = import_speculators(
-        args.src, args.out, target_weights=args.target_weights, draft_vocab_size=args.draft_vocab,
-        aux_layer_ids=aux, dtype=getattr(torch, args.dtype), progress=True,
-    )  # fmt: skip
+        args.src,
+        args.out,
+        target_weights=args.target_weights,
+        draft_vocab_size=args.draft_vocab,
+        aux_layer_ids=aux,
+        dtype=getattr(torch, args.dtype),
+        progress=True,
+    )
     print(f"imported {args.src} -> {index.parent}", flush=True)
     return EXIT_OK
 
@@ -180,8 +213,9 @@ def cmd_check_tracker(argv: list[str]) -> int:
         formatter_class=HelpFormatter,
     )
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--config", metavar="FILE", help="the trainer config (its tracker key); /dev/stdin reads it "
-                       "from standard input")  # fmt: skip
+    which.add_argument(
+        "--config", metavar="FILE", help="the trainer config (its tracker key); /dev/stdin reads it from standard input"
+    )
     which.add_argument("--tracker", metavar="NAME", help="the tracker itself: none, mlflow or wandb")
     args = p.parse_args(argv)
     from eagle3.config import check_key, coerce_value, load_config_file
@@ -218,14 +252,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(rest)
     commands = {
-        "synth": cmd_synth, "plan": cmd_plan, "export": cmd_export, "import": cmd_import, "report": cmd_report,
-        "generate": cmd_generate, "evaluate": cmd_evaluate, "tiny-target": cmd_tiny_target,
+        "synth": cmd_synth,
+        "plan": cmd_plan,
+        "export": cmd_export,
+        "import": cmd_import,
+        "report": cmd_report,
+        "generate": cmd_generate,
+        "evaluate": cmd_evaluate,
+        "tiny-target": cmd_tiny_target,
         "check-tracker": cmd_check_tracker,
-    }  # fmt: skip
+    }
     if command not in commands:
-        print(
-            f"unknown command {command!r}; use one of train, {', '.join(commands)}\n{USAGE}", file=sys.stderr
-        )
+        print(f"unknown command {command!r}; use one of train, {', '.join(commands)}\n{USAGE}", file=sys.stderr)
         return EXIT_CONFIG
     try:
         return commands[command](rest)

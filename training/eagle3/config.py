@@ -65,58 +65,68 @@ class TrainConfig:
     """Every trainer option. Defaults are for a real run; the tests override them with tiny values."""
 
     data_dir: str = option(
-        "", "dataset directory made by `eagle3 synth` or `eagle3 import`", bound=REQUIRED,
+        "",
+        "dataset directory made by `eagle3 synth` or `eagle3 import`",
+        bound=REQUIRED,
         fix="set it to a dataset directory made by `eagle3 synth` or `eagle3 import`",
-    )  # fmt: skip
+    )
     run_dir: str = option(
-        "", "directory for checkpoints, metrics.jsonl and status.json (a restart resumes from it)",
-        bound=REQUIRED, fix="set it to a directory for checkpoints, metrics and status.json",
-    )  # fmt: skip
+        "",
+        "directory for checkpoints, metrics.jsonl and status.json (a restart resumes from it)",
+        bound=REQUIRED,
+        fix="set it to a directory for checkpoints, metrics and status.json",
+    )
     max_seq_len: int = option(
-        4096, "tokens in each packed row (one row per rank per step)", bound=SEQ_MULTIPLE,
+        4096,
+        "tokens in each packed row (one row per rank per step)",
+        bound=SEQ_MULTIPLE,
         fix=lambda v: suggest_seq_len(max(v, 1)),
-    )  # fmt: skip
+    )
     packing: str = option(
-        PACKINGS[0], "how samples are packed into rows: first_fit puts each into the fullest row of the step with "
+        PACKINGS[0],
+        "how samples are packed into rows: first_fit puts each into the fullest row of the step with "
         "room, passing over up to 64 that fit nowhere (rows 97-99 per cent full); next_fit closes a row at the first "
         "sample that does not fit (earlier versions' plans: their checkpoints resume on the same plan with it)",
         choices=PACKINGS,
-    )  # fmt: skip
+    )
     ttt_steps: int = option(
         TTT_STEPS, "training-time-test steps: tokens drafted ahead and supervised", bound=AT_LEAST_1
     )
     ttt_gamma: float = option(
-        1.0, "loss weight of TTT step k is ttt_gamma**k", bound=UNIT_INTERVAL,
+        1.0,
+        "loss weight of TTT step k is ttt_gamma**k",
+        bound=UNIT_INTERVAL,
         fix="1.0 as in speculators, 0.8 as in EAGLE/SpecForge",
-    )  # fmt: skip
+    )
     lk_weight: float = option(
-        0.0, "share of the acceptance-aware LK loss, -log sum_v min(p_target, p_draft), in each position's loss: "
-        "(1 - lk_weight) x KL + lk_weight x LK; 0: KL only, 1: LK only", bound=UNIT_CLOSED,
+        0.0,
+        "share of the acceptance-aware LK loss, -log sum_v min(p_target, p_draft), in each position's loss: "
+        "(1 - lk_weight) x KL + lk_weight x LK; 0: KL only, 1: LK only",
+        bound=UNIT_CLOSED,
         fix="0 (KL), 1 (LK) or a mix such as 0.5",
-    )  # fmt: skip
+    )
     epochs: int = option(1, "passes over the training split (when max_steps is 0)", bound=AT_LEAST_1)
     max_steps: int = option(0, "optimizer steps in all; 0: the epochs decide", bound=NON_NEGATIVE)
     lr: float = option(1e-4, "peak AdamW learning rate", bound=POSITIVE, fix="for example 1e-4")
     weight_decay: float = option(0.0, "AdamW weight decay", bound=NON_NEGATIVE)
     adam_beta1: float = option(0.9, "AdamW beta1 (the gradient's running mean)", bound=FRACTION)
     adam_beta2: float = option(0.95, "AdamW beta2 (the squared gradient's running mean)", bound=FRACTION)
-    warmup_steps: int = option(
-        100, "linear warmup steps, then cosine decay to 10 % of lr", bound=NON_NEGATIVE
-    )
+    warmup_steps: int = option(100, "linear warmup steps, then cosine decay to 10 % of lr", bound=NON_NEGATIVE)
     grad_clip: float = option(0.5, "clip the gradient norm to this; 0: off", bound=NON_NEGATIVE)
     seed: int = option(0, "seed of the weight init and the per-epoch shuffle")
-    log_every: int = option(
-        10, "steps between metrics lines (metrics.jsonl, status.json, console)", bound=AT_LEAST_1
-    )
+    log_every: int = option(10, "steps between metrics lines (metrics.jsonl, status.json, console)", bound=AT_LEAST_1)
     val_every: int = option(500, "steps between validations; 0: validate only at the end", bound=NON_NEGATIVE)
     val_fraction: float = option(
-        0.1, "the last fraction of samples held out for validation", bound=FRACTION,
+        0.1,
+        "the last fraction of samples held out for validation",
+        bound=FRACTION,
         fix="for example 0.1 (the last 10 %)",
-    )  # fmt: skip
+    )
     val_max_batches: int = option(
-        0, "validation rows per rank at most (the first of the fixed validation plan); 0: all",
+        0,
+        "validation rows per rank at most (the first of the fixed validation plan); 0: all",
         bound=NON_NEGATIVE,
-    )  # fmt: skip
+    )
     checkpoint_every: int = option(
         1000, "steps between checkpoints (one is also written at the end and on a stop)", bound=AT_LEAST_1
     )
@@ -128,64 +138,71 @@ class TrainConfig:
         "auto", "compute dtype; auto: bf16 autocast on CUDA, fp32 on CPU", choices=("auto", "bf16", "fp32")
     )
     activation_checkpointing: bool | str = option(
-        False, "recompute in backward, less memory for more compute: selective keeps the decoder step's matmul "
+        False,
+        "recompute in backward, less memory for more compute: selective keeps the decoder step's matmul "
         "outputs and recomputes the cheap work between them (under 1 per cent more FLOPs); full (or true) keeps only "
-        "the step's inputs (least memory, about 17 per cent more FLOPs)", bound=CHECKPOINT_MODE,
-    )  # fmt: skip
+        "the step's inputs (least memory, about 17 per cent more FLOPs)",
+        bound=CHECKPOINT_MODE,
+    )
     fsdp: bool = option(
         False, "FSDP2 fully_shard over the drafter (needs torchrun): bf16 params on CUDA, fp32 grad reduction"
     )
     shard_layout: str = option(
-        "full", "with fsdp: full shards over all ranks; hsdp shards within a node and replicates across nodes "
-        "(a 2-D mesh, nodes x ranks per node from torchrun)", choices=("full", "hsdp"),
-    )  # fmt: skip
+        "full",
+        "with fsdp: full shards over all ranks; hsdp shards within a node and replicates across nodes "
+        "(a 2-D mesh, nodes x ranks per node from torchrun)",
+        choices=("full", "hsdp"),
+    )
     context_parallel: int = option(
-        1, "ranks one packed row is split over (Ulysses context parallelism: an all-to-all from sequence shards to "
+        1,
+        "ranks one packed row is split over (Ulysses context parallelism: an all-to-all from sequence shards to "
         "head shards around the attention); must divide the world size and the attention heads; 1: off",
         bound=AT_LEAST_1,
-    )  # fmt: skip
+    )
     memory_limit_gb: float = option(
         0.0, "memory per rank in GiB (CUDA: memory fraction, CPU: RLIMIT_AS); 0: off", bound=NON_NEGATIVE
     )
     attention: str = option(
-        "auto", "TTT attention kernel; auto: flex on CUDA, exact (blockwise) elsewhere",
+        "auto",
+        "TTT attention kernel; auto: flex on CUDA, exact (blockwise) elsewhere",
         choices=("auto", "flex", "exact"),
-    )  # fmt: skip
+    )
     loss_chunk_size: int = option(
-        4096, "positions per chunk of the vocab projection in the loss (bounds its memory); 0, or a row no longer "
+        4096,
+        "positions per chunk of the vocab projection in the loss (bounds its memory); 0, or a row no longer "
         "than the chunk: one pass, the target side made once and shared by the TTT steps (fastest)",
         bound=NON_NEGATIVE,
-    )  # fmt: skip
+    )
     num_threads: int = option(0, "CPU threads per rank; 0: torch's default", bound=NON_NEGATIVE)
     prefetch_depth: int = option(
-        2, "rows the background loader reads ahead of the step; each holds a row of max_seq_len x (4 x hidden "
+        2,
+        "rows the background loader reads ahead of the step; each holds a row of max_seq_len x (4 x hidden "
         "x 2 + 9) bytes (pinned on CUDA; depth + 2 of them): 2 hides one slow read behind two steps",
         bound=AT_LEAST_1,
-    )  # fmt: skip
+    )
     standin_gpu_devices: list[str] = field(
         default_factory=list,
         metadata=about("rank r holds entry r % n open, as a CUDA process holds /dev/nvidia* (tests)"),
     )
-    record_samples: bool = option(
-        False, "write the sample ids of every step to samples_rank{r}.jsonl (tests, audits)"
-    )
+    record_samples: bool = option(False, "write the sample ids of every step to samples_rank{r}.jsonl (tests, audits)")
     collective_timeout_s: float = option(
         600.0, "torch.distributed timeout of one collective (init_process_group), seconds", bound=POSITIVE
     )
     watchdog_floor_s: float = option(
-        300.0, "hang watchdog: a step may take max(this, watchdog_factor x median step time) s; 0: off",
-        bound=NON_NEGATIVE, fix="for example 300",
-    )  # fmt: skip
+        300.0,
+        "hang watchdog: a step may take max(this, watchdog_factor x median step time) s; 0: off",
+        bound=NON_NEGATIVE,
+        fix="for example 300",
+    )
     watchdog_factor: float = option(
         10.0, "hang watchdog: multiple of the median of the recent step times", bound=AT_LEAST_1
     )
     watchdog_first_step_s: float = option(
-        1800.0, "hang watchdog: bound for model build + resume + the first step (compile, warm-up), s",
+        1800.0,
+        "hang watchdog: bound for model build + resume + the first step (compile, warm-up), s",
         bound=POSITIVE,
-    )  # fmt: skip
-    watchdog_checkpoint_s: float = option(
-        1800.0, "hang watchdog: bound for writing one checkpoint, s", bound=POSITIVE
     )
+    watchdog_checkpoint_s: float = option(1800.0, "hang watchdog: bound for writing one checkpoint, s", bound=POSITIVE)
     # Drafter shape: hidden size and vocab sizes come from the dataset index; these may be set, 0 = derived.
     hidden_size: int = option(
         0, "0, or the dataset's hidden size (a check: it comes from the dataset)", bound=NON_NEGATIVE
@@ -199,29 +216,24 @@ class TrainConfig:
         "key/value heads (grouped-query attention, a divisor of num_heads); 0: num_heads",
         bound=NON_NEGATIVE,
     )
-    fc_norm: bool = option(
-        False, "one RMSNorm per aux hidden state before fc (EAGLE 3.1; not with norm_before_fc)"
-    )
-    norm_output: bool = option(
-        False, "each TTT step after the first reads the post-norm hidden state (EAGLE 3.1)"
-    )
+    fc_norm: bool = option(False, "one RMSNorm per aux hidden state before fc (EAGLE 3.1; not with norm_before_fc)")
+    norm_output: bool = option(False, "each TTT step after the first reads the post-norm hidden state (EAGLE 3.1)")
     norm_before_residual: bool = option(
         False, "the decoder layer's residual is the normed hidden half (vLLM assumes true when absent)"
     )
     # Multi-head latent attention (DeepSeek-V3's, for Kimi/DeepSeek targets): kv_lora_rank > 0 selects it.
     kv_lora_rank: int = option(0, "MLA latent width; 0: Llama-style q/k/v attention", bound=NON_NEGATIVE)
-    q_lora_rank: int = option(
-        0, "MLA low-rank query width; 0: queries projected directly", bound=NON_NEGATIVE
-    )
+    q_lora_rank: int = option(0, "MLA low-rank query width; 0: queries projected directly", bound=NON_NEGATIVE)
     qk_nope_head_dim: int = option(0, "MLA query/key dimensions per head without rope", bound=NON_NEGATIVE)
     qk_rope_head_dim: int = option(0, "MLA query/key dimensions per head that rope turns", bound=NON_NEGATIVE)
     v_head_dim: int = option(0, "MLA value dimensions per head", bound=NON_NEGATIVE)
     rope_interleave: bool = option(True, "MLA: the rotary pairs are adjacent dimensions (DeepSeek's weights)")
     # The verifier's rotary embedding and norm epsilon (a drafter is served with the verifier's positions).
     rope_theta: float = option(
-        0.0, "rotary base; 0: the dataset's target config (`eagle3 generate` records it), else 10000",
+        0.0,
+        "rotary base; 0: the dataset's target config (`eagle3 generate` records it), else 10000",
         bound=NON_NEGATIVE,
-    )  # fmt: skip
+    )
     rope_scaling: dict = field(
         default_factory=dict,
         metadata=about(
@@ -229,21 +241,21 @@ class TrainConfig:
             "{}: the dataset's target config, else none; {rope_type: default}: none"
         ),
     )
-    rms_norm_eps: float = option(
-        0.0, "RMSNorm epsilon; 0: the dataset's target config, else 1e-6", bound=NON_NEGATIVE
-    )
+    rms_norm_eps: float = option(0.0, "RMSNorm epsilon; 0: the dataset's target config, else 1e-6", bound=NON_NEGATIVE)
     init_from: str = option(
         "", "a speculators-format drafter directory (an export) to start from; empty: random initialisation"
     )
     # Observability (eagle3.observe; docs/observability.md)
     telemetry_every_s: float = option(
-        10.0, "seconds between GPU samples (power, utilisation, SM clock, memory) in telemetry.jsonl; 0: off",
+        10.0,
+        "seconds between GPU samples (power, utilisation, SM clock, memory) in telemetry.jsonl; 0: off",
         bound=NON_NEGATIVE,
-    )  # fmt: skip
+    )
     progress_every_s: float = option(
-        60.0, "seconds between progress lines with the ETA in the log (the first at step 1); 0: off",
+        60.0,
+        "seconds between progress lines with the ETA in the log (the first at step 1); 0: off",
         bound=NON_NEGATIVE,
-    )  # fmt: skip
+    )
     prometheus_textfile_dir: str = option(
         "", "directory of eagle3_train.prom (node_exporter's textfile collector directory); empty: run_dir"
     )
@@ -251,9 +263,11 @@ class TrainConfig:
         True, "TensorBoard event files in run_dir/tensorboard when the tensorboard package is installed"
     )
     tracker: str = option(
-        "none", "an experiment tracker beside TensorBoard, through its own library: mlflow, or wandb (offline, "
-        "uploaded later with wandb sync); its package must be installed", choices=TRACKERS,
-    )  # fmt: skip
+        "none",
+        "an experiment tracker beside TensorBoard, through its own library: mlflow, or wandb (offline, "
+        "uploaded later with wandb sync); its package must be installed",
+        choices=TRACKERS,
+    )
     tracker_project: str = option("eagle3", "the tracker's MLflow experiment or W&B project", bound=REQUIRED)
     mlflow_tracking_uri: str = option("", "MLflow's tracking URI; empty: a file store in run_dir/mlruns")
 
@@ -301,9 +315,7 @@ def _specs() -> dict[str, KeySpec]:
     for f in dataclasses.fields(TrainConfig):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         md = f.metadata
-        specs[f.name] = KeySpec(
-            f.name, hints[f.name], default, md["help"], md["choices"], md["bound"], md["fix"]
-        )
+        specs[f.name] = KeySpec(f.name, hints[f.name], default, md["help"], md["choices"], md["bound"], md["fix"])
     return specs
 
 
@@ -499,9 +511,7 @@ def load_config_file(path: str | os.PathLike) -> dict[str, object]:
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError(
-            f"cannot read config file {str(p)!r}: {e.strerror}; pass an existing YAML/JSON file"
-        ) from e
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror}; pass an existing YAML/JSON file") from e
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -509,9 +519,7 @@ def load_config_file(path: str | os.PathLike) -> dict[str, object]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {str(p)!r} must hold a flat mapping of keys, found {type(data).__name__}"
-        )
+        raise ConfigError(f"config file {str(p)!r} must hold a flat mapping of keys, found {type(data).__name__}")
     return data
 
 
@@ -542,9 +550,7 @@ def check_key(key: str, value: object) -> None:
     if spec.choices and value not in spec.choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(spec.choices)}")
     if spec.bound is not None and not spec.bound.holds(value):
-        message = (
-            f"{key} {spec.bound.says}" if spec.bound is REQUIRED else f"{key}={value!r} {spec.bound.says}"
-        )
+        message = f"{key} {spec.bound.says}" if spec.bound is REQUIRED else f"{key}={value!r} {spec.bound.says}"
         fix = spec.fix_for(value)
         raise ConfigError(f"{message}; {fix}" if fix else message)
 

@@ -56,9 +56,7 @@ def render_markdown() -> str:
     lines = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for spec in SPECS.values():
         allowed, meaning = (text.replace("|", "\\|") for text in (spec.allowed, spec.help))
-        lines.append(
-            f"| `{spec.name}` | {spec.type_name} | `{format_default(spec.default)}` | {allowed} | {meaning} |"
-        )
+        lines.append(f"| `{spec.name}` | {spec.type_name} | `{format_default(spec.default)}` | {allowed} | {meaning} |")
     return "\n".join(lines)
 
 

@@ -85,9 +85,7 @@ def sample_key(sample_id: int, name: str) -> str:
     return f"{sample_id}.{name}"
 
 
-def build_vocab_mapping(
-    token_counts: torch.Tensor, draft_vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft vocab = the `draft_vocab_size` most frequent target ids (ties: lower id first), kept in id order.
 
     Returns (d2t long[V_draft], t2d bool[V_target]) with `target_id = draft_idx + d2t[draft_idx]`.
@@ -100,8 +98,7 @@ def build_vocab_mapping(
     vocab = counts.numel()
     if draft_vocab_size > vocab:
         raise DataError(
-            f"draft_vocab_size={draft_vocab_size} is larger than the target vocab ({vocab}); "
-            f"use at most {vocab}"
+            f"draft_vocab_size={draft_vocab_size} is larger than the target vocab ({vocab}); use at most {vocab}"
         )
     if draft_vocab_size < 1:
         raise DataError(f"draft_vocab_size={draft_vocab_size} must be at least 1")
@@ -179,9 +176,7 @@ def read_index(root: str | os.PathLike) -> DatasetIndex:
         lengths.extend(int(v) for v in shard["lengths"])
         shard_of.extend([n] * len(shard["lengths"]))
     if len(lengths) != meta["num_samples"]:
-        raise DataError(
-            f"{path}: num_samples={meta['num_samples']} but the shards list {len(lengths)} samples"
-        )
+        raise DataError(f"{path}: num_samples={meta['num_samples']} but the shards list {len(lengths)} samples")
     aux = tuple(int(v) for v in meta["aux_layer_ids"])
     if len(aux) != 3:
         raise DataError(f"{path}: aux_layer_ids={list(aux)} must name exactly 3 target layers")
@@ -247,9 +242,7 @@ class DatasetReader:
                 for field_name, shape in expect.items():
                     key = sample_key(i, field_name)
                     if key not in keys:
-                        raise DataError(
-                            f"shard {name}: tensor {key!r} is missing; the shard is corrupt, regenerate it"
-                        )
+                        raise DataError(f"shard {name}: tensor {key!r} is missing; the shard is corrupt, regenerate it")
                     got = list(handle.get_slice(key).get_shape())
                     if got != shape:
                         raise DataError(
@@ -461,9 +454,7 @@ class DatasetWriter:
     The index is written last, so a dataset directory without index.json is an unfinished one.
     """
 
-    def __init__(
-        self, root: str | os.PathLike, hidden_size: int, dtype: torch.dtype, shard_tokens: int = 1 << 20
-    ):
+    def __init__(self, root: str | os.PathLike, hidden_size: int, dtype: torch.dtype, shard_tokens: int = 1 << 20):
         self.root = Path(root)
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         self.hidden_size = hidden_size
@@ -493,9 +484,7 @@ class DatasetWriter:
                 f"{list(last_hidden.shape)} do not match length {length} and hidden_size {h}"
             )
         if loss_mask.numel() != length:
-            raise DataError(
-                f"sample {self.num_samples}: loss_mask has {loss_mask.numel()} entries, input_ids {length}"
-            )
+            raise DataError(f"sample {self.num_samples}: loss_mask has {loss_mask.numel()} entries, input_ids {length}")
         self._pending.update(
             sample_tensors(self.num_samples, input_ids, loss_mask, aux_hidden, last_hidden, self.dtype)
         )

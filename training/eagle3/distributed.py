@@ -151,9 +151,13 @@ def describe(requested_device: str) -> DistInfo:
     rank, world, local = env_rank()
     node_rank, local_world = env_node()
     return DistInfo(
-        rank=rank, world_size=world, local_rank=local, device=resolve_device(requested_device, local),
-        local_world_size=local_world, node_rank=node_rank,
-    )  # fmt: skip
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        device=resolve_device(requested_device, local),
+        local_world_size=local_world,
+        node_rank=node_rank,
+    )
 
 
 _joined = False  # whether this process joined a process group (init); see exit_process

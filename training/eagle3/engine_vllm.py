@@ -152,9 +152,7 @@ class VllmEngine:
             if isinstance(metric, Counter) and metric.name in names:
                 setattr(c, names[metric.name], getattr(c, names[metric.name]) + int(metric.value))
             elif isinstance(metric, Vector) and metric.name == ACCEPTED_PER_POS:
-                c.accepted_per_pos = [
-                    a + int(v) for a, v in zip(c.accepted_per_pos, metric.values, strict=False)
-                ]
+                c.accepted_per_pos = [a + int(v) for a, v in zip(c.accepted_per_pos, metric.values, strict=False)]
         return c
 
     def decode(self, prompts: list[list[int]], max_new: int, eos: int | None) -> Decoded:
@@ -162,9 +160,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_new, stop_token_ids=[] if eos is None else [eos]
-        )
+        params = SamplingParams(temperature=0.0, max_tokens=max_new, stop_token_ids=[] if eos is None else [eos])
         warm = SamplingParams(temperature=0.0, max_tokens=min(4, max_new))
         self.llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], warm, use_tqdm=False)
         before, outputs = self.counters(), []

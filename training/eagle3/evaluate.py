@@ -94,9 +94,7 @@ class TargetRunner:
         return logits.argmax(-1).tolist(), aux.float()
 
 
-def greedy(
-    runner: TargetRunner, prompt: list[int], max_new: int, eos: int | None = None
-) -> tuple[list[int], float]:
+def greedy(runner: TargetRunner, prompt: list[int], max_new: int, eos: int | None = None) -> tuple[list[int], float]:
     """Plain greedy decoding, one full target forward per token: (new tokens, seconds)."""
     started = time.perf_counter()
     seq = list(prompt)
@@ -194,9 +192,7 @@ def prompts_from(records: list[dict], tokenizer, limit: int, max_prompt: int) ->
         if "messages" in record:
             turns = record["messages"]
             last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=len(turns))
-            rendered = tokenizer.apply_chat_template(
-                turns[:last], add_generation_prompt=True, return_dict=True
-            )
+            rendered = tokenizer.apply_chat_template(turns[:last], add_generation_prompt=True, return_dict=True)
             ids = list(rendered["input_ids"])
         else:
             ids = tokenizer(record["text"])["input_ids"]
@@ -234,17 +230,24 @@ def simulated_tau(run_dir: Path, step: int) -> float | None:
             record = json.loads(line)
         except ValueError:
             continue
-        if (
-            record.get("kind") == "val"
-            and record.get("step") == step
-            and record.get("acceptance_length") is not None
-        ):
+        if record.get("kind") == "val" and record.get("step") == step and record.get("acceptance_length") is not None:
             return float(record["acceptance_length"])
     return None
 
 
-def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, prompts: int = 16,
-             max_prompt: int = 512, baseline: bool = True, checkpoint: str = "best", log=print) -> dict:  # fmt: skip
+def evaluate(
+    target_dir,
+    drafter_path,
+    data,
+    *,
+    k: int = 3,
+    max_new: int = 64,
+    prompts: int = 16,
+    max_prompt: int = 512,
+    baseline: bool = True,
+    checkpoint: str = "best",
+    log=print,
+) -> dict:
     """Decode the first `prompts` samples of `data` with the target and the drafter, and with the target alone;
     the result dict (the module's docstring). `log` gets a line per prompt (file=sys.stderr) and the result line."""
     import torch
@@ -259,9 +262,7 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
     tokenizer = load_tokenizer(target_dir, "evaluate")
     drafter, run_cfg = load_drafter(drafter_path, checkpoint)
     drafter = drafter.float().eval()
-    target = AutoModelForCausalLM.from_pretrained(
-        target_dir, local_files_only=True, dtype=torch.float32
-    ).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=torch.float32).eval()
     if target.config.hidden_size != drafter.cfg.hidden_size:
         raise ConfigError(
             f"evaluate: the drafter's hidden size {drafter.cfg.hidden_size} is not the target's "
@@ -278,7 +279,9 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         exact &= out == plain
         total.add(stats)
         plain_seconds += seconds
-        per_prompt.append({"tokens": stats.tokens, "rounds": stats.rounds, "accepted": sum(stats.accepted), "tau": stats.tau})  # fmt: skip
+        per_prompt.append(
+            {"tokens": stats.tokens, "rounds": stats.rounds, "accepted": sum(stats.accepted), "tau": stats.tau}
+        )
         log(
             f"evaluate: prompt {n}/{len(prompt_ids)}: {stats.tokens} tokens in {stats.rounds} rounds, tau "
             f"{_fmt(stats.tau)}; running tau_real {_fmt(total.tau)}"
@@ -286,11 +289,23 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
             file=sys.stderr,
             flush=True,
         )
+    result = _result(k, len(prompt_ids), total, per_prompt, plain_seconds, exact)
+    if run_cfg is not None:
+        result["step"] = run_cfg.evaluated_step
+        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
+    if baseline:
+        result["tau_frequent_token"] = frequent_token_tau(runner, target.config.vocab_size, prompt_ids, max_new, k, eos)
+    log(summary_line(result), flush=True)
+    return result
+
+
+def _result(k: int, prompts: int, total: DecodeStats, per_prompt: list, plain_seconds: float, exact: bool) -> dict:
+    """The result dict of `evaluate` (the module's docstring) from its decoding's counts."""
     rounds, accepted = total.rounds, sum(total.accepted)
-    result = {
+    return {
         "engine": "eagle3",
         "k": k,
-        "prompts": len(prompt_ids),
+        "prompts": prompts,
         "tokens": total.tokens,
         "target_forwards": total.target_forwards,
         "tau_real": total.tau,
@@ -312,20 +327,9 @@ def evaluate(target_dir, drafter_path, data, *, k: int = 3, max_new: int = 64, p
         "speedup": round(plain_seconds / max(total.seconds, 1e-9), 3),
         "exact": exact,
     }
-    if run_cfg is not None:
-        result["step"] = run_cfg.evaluated_step
-        result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
-    if baseline:
-        result["tau_frequent_token"] = frequent_token_tau(
-            runner, target.config.vocab_size, prompt_ids, max_new, k, eos
-        )
-    log(summary_line(result), flush=True)
-    return result
 
 
-def frequent_token_tau(
-    runner, vocab_size: int, prompt_ids: list[list[int]], max_new: int, k: int, eos
-) -> float | None:
+def frequent_token_tau(runner, vocab_size: int, prompt_ids: list[list[int]], max_new: int, k: int, eos) -> float | None:
     """The baseline: tau_real of a drafter that always proposes the prompts' most frequent token."""
     import torch
 
@@ -359,11 +363,7 @@ def summary_line(result: dict) -> str:
     )
     return (
         f"evaluate: tau_real {_fmt(result['tau_real'])}"
-        + (
-            f" (95 % CI {ci[0]:.3f}-{ci[1]:.3f} over the {result['prompts']} prompts, bootstrap)"
-            if ci
-            else ""
-        )
+        + (f" (95 % CI {ci[0]:.3f}-{ci[1]:.3f} over the {result['prompts']} prompts, bootstrap)" if ci else "")
         + f" tokens per drafting round, the prefill's token not counted (K={result['k']}, {result['prompts']} "
         f"prompts, {result['tokens']} tokens, {result['drafting_rounds']} rounds); acceptance per position "
         f"{result['acceptance_per_position']}; speedup {result['speedup']:.2f}x on this machine (full-recompute "
@@ -432,20 +432,17 @@ def evaluate_vllm(
 def main(argv: list[str]) -> int:
     from eagle3.helptext import HelpFormatter
 
-    ap = argparse.ArgumentParser(prog="python -m eagle3 evaluate", description=__doc__.splitlines()[0],
-                                 formatter_class=HelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m eagle3 evaluate", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     ap.add_argument("drafter", help="a run folder (its best checkpoint) or an export folder")
     ap.add_argument("--target", required=True, help="the target model's folder (local only)")
     ap.add_argument("--data", required=True, help="held-out samples (the generate formats): prompts")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per round")
     ap.add_argument("--max-new", type=int, default=64, help="tokens to generate per prompt")
     ap.add_argument("--prompts", type=int, default=16, help="prompts to use (the first N samples)")
-    ap.add_argument(
-        "--checkpoint", default="best", help="of a run folder: best, latest or a checkpoint folder"
-    )
-    ap.add_argument(
-        "--json", default="", help="also write the result here (a run folder appends to evaluate.jsonl)"
-    )
+    ap.add_argument("--checkpoint", default="best", help="of a run folder: best, latest or a checkpoint folder")
+    ap.add_argument("--json", default="", help="also write the result here (a run folder appends to evaluate.jsonl)")
     ap.add_argument(
         "--engine",
         choices=("eagle3", "vllm"),

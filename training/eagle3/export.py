@@ -173,9 +173,7 @@ def export_speculators(
             "(for example 'meta-llama/Llama-3.1-8B-Instruct' and ['LlamaForCausalLM'])"
         )
     if speculative_tokens < 1:
-        raise ConfigError(
-            f"speculative_tokens={speculative_tokens} must be at least 1 (usually the ttt_steps trained)"
-        )
+        raise ConfigError(f"speculative_tokens={speculative_tokens} must be at least 1 (usually the ttt_steps trained)")
     include_embed_tokens = include_embed_tokens and "embed_tokens.weight" in state
     names = exported_names(cfg, include_embed_tokens)
     missing = [n for n in names if n not in state]
@@ -186,9 +184,7 @@ def export_speculators(
             "and export the drafter"
         )
     if torch.isnan(state["lm_head.weight"].float()).any():
-        raise DataError(
-            "lm_head.weight holds NaN; the drafter diverged or its target weights were never loaded"
-        )
+        raise DataError("lm_head.weight holds NaN; the drafter diverged or its target weights were never loaded")
     tensors = {}
     for name in names:
         t = state[name].detach().cpu()
@@ -206,8 +202,13 @@ def export_speculators(
         )
     else:  # vLLM's EAGLE-3 DeepSeek layout (eagle3.export_mla): speculators' format has no MLA layer
         verifier = {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)}
-        config = deepseek_eagle3_config(cfg, speculative_tokens=speculative_tokens, verifier=verifier,
-                                        max_position_embeddings=max_position_embeddings, dtype=dtype)  # fmt: skip
+        config = deepseek_eagle3_config(
+            cfg,
+            speculative_tokens=speculative_tokens,
+            verifier=verifier,
+            max_position_embeddings=max_position_embeddings,
+            dtype=dtype,
+        )
     # Write to temporary names, then rename: a crash never leaves a half-written export behind.
     tmp_weights, tmp_config = out / f".{WEIGHTS_FILE}.tmp", out / f".{CONFIG_FILE}.tmp"
     save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
@@ -224,34 +225,95 @@ def export_speculators(
 # Every field speculators' Eagle3SpeculatorConfig and HF's PretrainedConfig write at the top level. A field
 # outside these sets is refused by name: this reader would otherwise build a drafter the writer did not mean.
 TOP_LEVEL_FIELDS = {
-    "architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
-    "draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
-    "norm_output", "embed_requires_grad", "enable_sp_ulysses", "eagle_aux_hidden_state_layer_ids",
-    "torch_dtype", "dtype", "transformers_version", "speculators_version", "eagle3_pve",
-}  # fmt: skip
+    "architectures",
+    "speculators_model_type",
+    "speculators_config",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "embed_requires_grad",
+    "enable_sp_ulysses",
+    "eagle_aux_hidden_state_layer_ids",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "speculators_version",
+    "eagle3_pve",
+}
 # What transformers' save_pretrained adds (PretrainedConfig's own attributes, and auto_map for a config class kept
 # beside the weights): read by name and ignored, because none of them changes the drafter's logits.
 TOP_LEVEL_IGNORED = {
-    "auto_map", "_name_or_path", "model_type", "chunk_size_feed_forward", "id2label", "label2id",
-    "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
-    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
-}  # fmt: skip
+    "auto_map",
+    "_name_or_path",
+    "model_type",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "is_encoder_decoder",
+    "output_attentions",
+    "output_hidden_states",
+    "problem_type",
+    "return_dict",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+}
 # transformer_layer_config (an HF LlamaConfig, `to_diff_dict` or full): the fields read below, and the ones
 # that only matter for training or generation and cannot change the drafter's logits.
 LAYER_FIELDS = {
-    "model_type", "architectures", "hidden_size", "intermediate_size", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "num_hidden_layers", "hidden_act", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "attention_bias", "mlp_bias",
-    "tie_word_embeddings", "torch_dtype", "dtype", "transformers_version", "_name_or_path", "use_cache",
-    "initializer_range", "attention_dropout", "pretraining_tp", "bos_token_id", "eos_token_id", "pad_token_id",
-    "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
-    "output_hidden_states", "problem_type", "return_dict",
-}  # fmt: skip
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "vocab_size",
+    "attention_bias",
+    "mlp_bias",
+    "tie_word_embeddings",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "_name_or_path",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "pretraining_tp",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "is_encoder_decoder",
+    "output_attentions",
+    "output_hidden_states",
+    "problem_type",
+    "return_dict",
+}
 # Fields whose value this drafter fixes: anything else is refused with the field's name.
 LAYER_FIXED = {
-    "model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu", "attention_bias": False,
-    "mlp_bias": False, "pretraining_tp": 1,
-}  # fmt: skip
+    "model_type": "llama",
+    "num_hidden_layers": 1,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+}
 SPECULATORS_CONFIG_FIELDS = {"algorithm", "proposal_methods", "default_proposal_method", "verifier"}
 
 
@@ -322,9 +384,7 @@ def _transformer_layer(config: dict, source: str) -> dict:
             raise ConfigError(f"{source}: speculators_config={spec!r} is not a mapping")
         _refuse_unknown(spec, SPECULATORS_CONFIG_FIELDS, "speculators_config", source)
         if spec.get("algorithm", "eagle3") != "eagle3":
-            raise ConfigError(
-                f"{source}: speculators_config.algorithm={spec['algorithm']!r}, expected 'eagle3'"
-            )
+            raise ConfigError(f"{source}: speculators_config.algorithm={spec['algorithm']!r}, expected 'eagle3'")
     return layer
 
 

@@ -24,36 +24,103 @@ from eagle3.spec import MLA_KEYS, DrafterConfig
 
 ARCHITECTURES = ("Eagle3DeepseekV3ForCausalLM", "Eagle3DeepseekV2ForCausalLM")
 ATTENTION_WEIGHTS = (
-    "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj",
-)  # fmt: skip
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+)
 # What DeepseekV3Config (and save_pretrained) writes that cannot change a one-layer dense drafter's logits: the
 # MoE routing of the target's other layers, training and generation settings. Read by name and ignored.
 IGNORED = {
-    "first_k_dense_replace", "moe_intermediate_size", "moe_layer_freq", "n_group", "n_routed_experts",
-    "n_shared_experts", "norm_topk_prob", "num_experts_per_tok", "routed_scaling_factor", "scoring_func",
-    "seq_aux", "topk_group", "topk_method", "aux_loss_alpha", "ep_size", "num_nextn_predict_layers",
-    "initializer_range", "attention_dropout", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
-    "torch_dtype", "dtype", "transformers_version", "_name_or_path", "auto_map", "pretraining_tp",
-    "torchscript", "use_bfloat16", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
-    "output_attentions", "output_hidden_states", "problem_type", "return_dict", "max_position_embeddings",
-    "eagle3_pve", "speculative_tokens", "verifier",
-}  # fmt: skip
+    "first_k_dense_replace",
+    "moe_intermediate_size",
+    "moe_layer_freq",
+    "n_group",
+    "n_routed_experts",
+    "n_shared_experts",
+    "norm_topk_prob",
+    "num_experts_per_tok",
+    "routed_scaling_factor",
+    "scoring_func",
+    "seq_aux",
+    "topk_group",
+    "topk_method",
+    "aux_loss_alpha",
+    "ep_size",
+    "num_nextn_predict_layers",
+    "initializer_range",
+    "attention_dropout",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "_name_or_path",
+    "auto_map",
+    "pretraining_tp",
+    "torchscript",
+    "use_bfloat16",
+    "chunk_size_feed_forward",
+    "id2label",
+    "label2id",
+    "is_encoder_decoder",
+    "output_attentions",
+    "output_hidden_states",
+    "problem_type",
+    "return_dict",
+    "max_position_embeddings",
+    "eagle3_pve",
+    "speculative_tokens",
+    "verifier",
+}
 READ = {
-    "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "num_hidden_layers", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-    "rope_interleave", "vocab_size", "draft_vocab_size", "target_hidden_size", "attention_bias", "mlp_bias",
-    "tie_word_embeddings", "norm_before_residual", "fc_norm", "norm_output", "eagle_config",
-    "eagle_aux_hidden_state_layer_ids", *MLA_KEYS,
-}  # fmt: skip
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rope_interleave",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "attention_bias",
+    "mlp_bias",
+    "tie_word_embeddings",
+    "norm_before_residual",
+    "fc_norm",
+    "norm_output",
+    "eagle_config",
+    "eagle_aux_hidden_state_layer_ids",
+    *MLA_KEYS,
+}
 # Fields whose value this drafter fixes; another value is refused with the field's name.
 FIXED = {
-    "num_hidden_layers": 1, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-    "tie_word_embeddings": False, "rope_interleave": True,
-}  # fmt: skip
+    "num_hidden_layers": 1,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "rope_interleave": True,
+}
 EAGLE_CONFIG_FIELDS = {
-    "eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state", "use_input_layernorm_in_first_layer",
-    "use_last_layernorm", "use_mtp_layernorm",
-}  # fmt: skip
+    "eagle_aux_hidden_state_layer_ids",
+    "use_aux_hidden_state",
+    "use_input_layernorm_in_first_layer",
+    "use_last_layernorm",
+    "use_mtp_layernorm",
+}
 
 
 def is_mla_export(config: dict) -> bool:
@@ -142,9 +209,7 @@ def _refuse(config: dict, source: str) -> None:
     eagle = config.get("eagle_config") or {}
     if not isinstance(eagle, dict) or set(eagle) - EAGLE_CONFIG_FIELDS:
         raise ConfigError(f"{source}: eagle_config={eagle!r}: only {sorted(EAGLE_CONFIG_FIELDS)} are known")
-    if config.get("num_key_value_heads", config.get("num_attention_heads")) != config.get(
-        "num_attention_heads"
-    ):
+    if config.get("num_key_value_heads", config.get("num_attention_heads")) != config.get("num_attention_heads"):
         raise ConfigError(f"{source}: num_key_value_heads must equal num_attention_heads in an MLA layer")
     for key in ("norm_before_residual", "fc_norm", "norm_output"):
         if key in config and not isinstance(config[key], bool):
@@ -154,33 +219,55 @@ def _refuse(config: dict, source: str) -> None:
 def config_from_deepseek_eagle3(config: dict, source: str) -> DrafterConfig:
     """DrafterConfig of an MLA export; ConfigError naming the field that is missing, unknown or unsupported."""
     _refuse(config, source)
-    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "rms_norm_eps",
-                           "draft_vocab_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                           "v_head_dim", "rope_theta", "norm_before_residual") if config.get(k) is None]  # fmt: skip
+    missing = [
+        k
+        for k in (
+            "hidden_size",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+            "rms_norm_eps",
+            "draft_vocab_size",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "rope_theta",
+            "norm_before_residual",
+        )
+        if config.get(k) is None
+    ]
     layers = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
     if missing or not layers:
-        raise ConfigError(
-            f"{source}: {missing or ['eagle_aux_hidden_state_layer_ids']} missing; re-export the drafter"
-        )
+        raise ConfigError(f"{source}: {missing or ['eagle_aux_hidden_state_layer_ids']} missing; re-export the drafter")
     if config.get("target_hidden_size") not in (None, config["hidden_size"]):
         raise ConfigError(
             f"{source}: target_hidden_size={config['target_hidden_size']} != hidden_size={config['hidden_size']}"
         )
     scaling = config.get("rope_scaling") or config.get("rope_parameters")
     values = dict(
-        hidden_size=config["hidden_size"], num_heads=config["num_attention_heads"],
-        head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"], intermediate_size=config["intermediate_size"],
-        draft_vocab_size=config["draft_vocab_size"], target_vocab_size=config["vocab_size"],
-        aux_layer_ids=tuple(layers), rms_norm_eps=config["rms_norm_eps"], rope_theta=float(config["rope_theta"]),
+        hidden_size=config["hidden_size"],
+        num_heads=config["num_attention_heads"],
+        head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
+        intermediate_size=config["intermediate_size"],
+        draft_vocab_size=config["draft_vocab_size"],
+        target_vocab_size=config["vocab_size"],
+        aux_layer_ids=tuple(layers),
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=float(config["rope_theta"]),
         rope_scaling=normalize_rope_scaling(scaling, f"{source}: rope_scaling"),
-        norm_before_residual=config["norm_before_residual"], fc_norm=config.get("fc_norm", False),
-        norm_output=config.get("norm_output", False), q_lora_rank=config.get("q_lora_rank") or 0,
-        kv_lora_rank=config["kv_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
+        norm_before_residual=config["norm_before_residual"],
+        fc_norm=config.get("fc_norm", False),
+        norm_output=config.get("norm_output", False),
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
         rope_interleave=config.get("rope_interleave", True),
-    )  # fmt: skip
+    )
     try:
         return DrafterConfig.from_dict(values)
     except ConfigError as e:

@@ -37,9 +37,7 @@ class RowPrefetcher:
     returns (the trainer uses it for one step). Errors (bad shard, out of memory) surface in `get`.
     """
 
-    def __init__(
-        self, data_dir: str, max_seq_len: int, pin_memory: bool, depth: int = 1, held: tuple | None = None
-    ):
+    def __init__(self, data_dir: str, max_seq_len: int, pin_memory: bool, depth: int = 1, held: tuple | None = None):
         if depth < 1:
             raise ValueError(f"prefetch depth {depth} must be at least 1")
         self.reader = DatasetReader(data_dir)

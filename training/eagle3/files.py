@@ -15,9 +15,7 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write_text(
-    path: str | os.PathLike, text: str, mode: int | None = None, fsync: bool = True
-) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None, fsync: bool = True) -> None:
     """Replace `path` with `text`; `mode` sets the new file's permissions (mkstemp makes it 0600).
 
     >>> import tempfile, pathlib

@@ -146,9 +146,7 @@ def tokenize(record: dict, tokenizer, max_len: int, where: str = "") -> Sample:
         )
 
     def render(turns, prompt: bool) -> list[int]:
-        out = tokenizer.apply_chat_template(
-            turns, tokenize=True, add_generation_prompt=prompt, return_dict=True
-        )
+        out = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt, return_dict=True)
         return list(out["input_ids"])
 
     ids = render(messages, False)
@@ -213,9 +211,7 @@ def _decoder_layers(model):
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ConfigError(
-            f"generate: {type(model).__name__} has no model.layers (a decoder-only causal LM is needed)"
-        )
+        raise ConfigError(f"generate: {type(model).__name__} has no model.layers (a decoder-only causal LM is needed)")
     return layers
 
 
@@ -278,23 +274,27 @@ def generate(
         out.mkdir(parents=True, exist_ok=True)
         if regenerate_responses:
             if world_size > 1:
-                raise ConfigError(
-                    "generate: --regenerate runs on one rank (run it once, then generate under torchrun)"
-                )
-            records = regenerate(records, model, tokenizer, out, temperature=temperature, seed=seed,
-                                 max_new=regenerate_max_new, log=log)  # fmt: skip
+                raise ConfigError("generate: --regenerate runs on one rank (run it once, then generate under torchrun)")
+            records = regenerate(
+                records, model, tokenizer, out, temperature=temperature, seed=seed, max_new=regenerate_max_new, log=log
+            )
         samples = build_plan(records, tokenizer, max_len)
-        settings = {"target": str(target.resolve()), "data": str(Path(data).resolve()), "max_len": max_len,
-                    "aux_layers": list(layers), "dtype": dtype, "shard_samples": shard_samples,
-                    "regenerate": {"temperature": temperature, "seed": seed, "max_new": regenerate_max_new}
-                    if regenerate_responses else None}  # fmt: skip
+        settings = {
+            "target": str(target.resolve()),
+            "data": str(Path(data).resolve()),
+            "max_len": max_len,
+            "aux_layers": list(layers),
+            "dtype": dtype,
+            "shard_samples": shard_samples,
+            "regenerate": {"temperature": temperature, "seed": seed, "max_new": regenerate_max_new}
+            if regenerate_responses
+            else None,
+        }
         digest = _plan_digest(samples, settings)
         (out / "shards").mkdir(exist_ok=True)
         if rank == 0:
             _claim_folder(out, digest, settings, len(samples))
-        shards = [
-            range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)
-        ]
+        shards = [range(s, min(s + shard_samples, len(samples))) for s in range(0, len(samples), shard_samples)]
         complete = _shard_check(out, shards, store)
         mine = [n for n in range(len(shards)) if n % world_size == rank]
         todo = [n for n in mine if not complete(n)]
@@ -313,17 +313,13 @@ def _check_arguments(target: Path, out: Path, dtype: str, shard_samples: int, ma
     from eagle3.data import DTYPES, INDEX_FILE
 
     if not (target / "config.json").is_file():
-        raise ConfigError(
-            f"generate: {target} is not a model folder (no config.json); give a local target folder"
-        )
+        raise ConfigError(f"generate: {target} is not a model folder (no config.json); give a local target folder")
     if dtype not in DTYPES:
         raise ConfigError(f"generate: dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if shard_samples < 1 or max_len < 2:
         raise ConfigError("generate: --shard-samples must be at least 1 and --max-len at least 2")
     if (out / INDEX_FILE).is_file():
-        raise ConfigError(
-            f"generate: {out} already holds a finished dataset ({INDEX_FILE}); choose another folder"
-        )
+        raise ConfigError(f"generate: {out} already holds a finished dataset ({INDEX_FILE}); choose another folder")
     return DTYPES[dtype]
 
 
@@ -339,9 +335,7 @@ def _target_shape(config, aux_layers, draft_vocab: int) -> tuple[tuple[int, int,
     vocab = text_config.vocab_size
     draft = draft_vocab or vocab
     if not 1 <= draft <= vocab:
-        raise ConfigError(
-            f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}"
-        )
+        raise ConfigError(f"generate: --draft-vocab {draft_vocab} must be between 1 and the target's vocab {vocab}")
     return layers, vocab, draft
 
 
@@ -357,9 +351,7 @@ def _load_target(target: Path, device: str):
         "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
     )
     model_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = (
-        AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
-    )
+    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True, dtype=model_dtype).to(dev).eval()
     return tokenizer, model
 
 
@@ -398,8 +390,21 @@ def _claim_folder(out: Path, digest: str, settings: dict, count: int) -> None:
         os.replace(tmp, plan_path)
 
 
-def _finish(model, config, target: Path, samples: list[Sample], shards: list[range], complete, out: Path, store,
-            vocab: int, draft: int, layers, settings: dict, log) -> Path:  # fmt: skip
+def _finish(
+    model,
+    config,
+    target: Path,
+    samples: list[Sample],
+    shards: list[range],
+    complete,
+    out: Path,
+    store,
+    vocab: int,
+    draft: int,
+    layers,
+    settings: dict,
+    log,
+) -> Path:
     """Rank 0, once every shard is complete: the draft vocabulary, the target's weights and config, index.json."""
     import torch
 
@@ -453,8 +458,9 @@ def _finish(model, config, target: Path, samples: list[Sample], shards: list[ran
     return index
 
 
-def _write_shards(model, layers, samples: list[Sample], shards: list[range], todo: list[int], out: Path, store,
-                  rank: int, log) -> None:  # fmt: skip
+def _write_shards(
+    model, layers, samples: list[Sample], shards: list[range], todo: list[int], out: Path, store, rank: int, log
+) -> None:
     """Run the target over the samples of each shard in `todo` and write the shard under a temporary name, renamed
     when complete; a progress line at most every 10 s."""
     import torch
@@ -477,9 +483,7 @@ def _write_shards(model, layers, samples: list[Sample], shards: list[range], tod
                 aux = torch.cat([hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
                 last = hooks.kept["last"][0]
                 tensors.update(
-                    sample_tensors(
-                        i, ids.cpu(), torch.tensor(samples[i].loss_mask), aux.cpu(), last.cpu(), store
-                    )
+                    sample_tensors(i, ids.cpu(), torch.tensor(samples[i].loss_mask), aux.cpu(), last.cpu(), store)
                 )
                 done_samples += 1
                 done_tokens += ids.numel()
@@ -522,9 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("out_dir", help="dataset folder to write (a restart with the same arguments resumes)")
     ap.add_argument("--target", required=True, help="the target model's folder (from_pretrained, local only)")
-    ap.add_argument(
-        "--data", required=True, help="JSONL with messages, conversations or text; or a text file"
-    )
+    ap.add_argument("--data", required=True, help="JSONL with messages, conversations or text; or a text file")
     ap.add_argument("--max-len", type=int, default=2048, help="tokens per sample at most (longer are cut)")
     ap.add_argument(
         "--aux-layers",
@@ -540,13 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--shard-samples", type=int, default=64, help="samples per shard (the unit of resuming)")
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda, cuda:N")
-    ap.add_argument("--regenerate", action="store_true",
-                    help="replace every assistant turn by the target's own response first (the distribution the "
-                    "drafter will serve); kept in OUT_DIR/regenerated.jsonl, resumable")  # fmt: skip
-    ap.add_argument("--temperature", type=float, default=0.0, help="regenerate: 0 greedy, else sampled")
     ap.add_argument(
-        "--seed", type=int, default=0, help="regenerate: seed (plus the record number) when sampling"
+        "--regenerate",
+        action="store_true",
+        help="replace every assistant turn by the target's own response first (the distribution the "
+        "drafter will serve); kept in OUT_DIR/regenerated.jsonl, resumable",
     )
+    ap.add_argument("--temperature", type=float, default=0.0, help="regenerate: 0 greedy, else sampled")
+    ap.add_argument("--seed", type=int, default=0, help="regenerate: seed (plus the record number) when sampling")
     ap.add_argument("--max-new", type=int, default=512, help="regenerate: tokens per response at most")
     return ap
 
@@ -558,9 +561,7 @@ def main(argv: list[str]) -> int:
         try:
             layers = tuple(int(x) for x in args.aux_layers.split(","))
         except ValueError as e:
-            raise ConfigError(
-                f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)"
-            ) from e
+            raise ConfigError(f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)") from e
         if len(layers) != 3:
             raise ConfigError(f"generate: --aux-layers {args.aux_layers!r} is not three integers (2,16,29)")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -572,11 +573,22 @@ def main(argv: list[str]) -> int:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     try:
         generate(
-            args.target, args.data, args.out_dir, max_len=args.max_len, aux_layers=layers,
-            draft_vocab=args.draft_vocab, dtype=args.dtype, shard_samples=args.shard_samples, device=device,
-            rank=rank, world_size=world, regenerate_responses=args.regenerate, temperature=args.temperature,
-            seed=args.seed, regenerate_max_new=args.max_new,
-        )  # fmt: skip
+            args.target,
+            args.data,
+            args.out_dir,
+            max_len=args.max_len,
+            aux_layers=layers,
+            draft_vocab=args.draft_vocab,
+            dtype=args.dtype,
+            shard_samples=args.shard_samples,
+            device=device,
+            rank=rank,
+            world_size=world,
+            regenerate_responses=args.regenerate,
+            temperature=args.temperature,
+            seed=args.seed,
+            regenerate_max_new=args.max_new,
+        )
     except StorageError as e:  # a restart cannot help: the unit's RestartPreventExitStatus holds EXIT_STORAGE
         print(storage_line(e), file=sys.stderr, flush=True)
         return EXIT_STORAGE

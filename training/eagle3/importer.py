@@ -40,9 +40,7 @@ def _sample_mask(path: Path, i: int, tensors: dict, ids: torch.Tensor, masks: di
     if "loss_mask" in tensors:
         return tensors["loss_mask"].to(torch.bool).flatten()
     if i not in masks:
-        raise DataError(
-            f"no loss mask for {path.name}: add a loss_mask tensor or a line {i} to loss_masks.jsonl"
-        )
+        raise DataError(f"no loss mask for {path.name}: add a loss_mask tensor or a line {i} to loss_masks.jsonl")
     mask_ids, mask_list = masks[i]
     mask = torch.tensor(mask_list, dtype=torch.bool)[: ids.numel()]
     if mask_ids and list(mask_ids[: ids.numel()]) != ids.tolist():
@@ -50,9 +48,7 @@ def _sample_mask(path: Path, i: int, tensors: dict, ids: torch.Tensor, masks: di
     return mask
 
 
-def _read_sample(
-    path: Path, masks: dict, vocab: int, hidden: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _read_sample(path: Path, masks: dict, vocab: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One hs file as (token ids long[S], loss mask bool[S], hidden states [S, 4, H]), checked against the
     target's vocab and hidden size."""
     i = int(path.stem.split("_")[1])
@@ -98,9 +94,7 @@ def import_speculators(
     hs_dir = src / "hidden_states"
     files = sorted(hs_dir.glob("hs_*.safetensors"), key=lambda p: int(p.stem.split("_")[1]))
     if not files:
-        raise DataError(
-            f"no hidden_states/hs_*.safetensors under {str(src)!r}; point SRC at a speculators data dir"
-        )
+        raise DataError(f"no hidden_states/hs_*.safetensors under {str(src)!r}; point SRC at a speculators data dir")
     masks = _read_loss_masks(src)
     target = load_target_weights(Path(target_weights))
     vocab, hidden = target["embed"].shape

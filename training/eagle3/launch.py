@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"where that report goes (default: {LAST_STOP_FILE} beside status.json; a node of a multi-node run, "
         "whose status.json is on shared storage, keeps its own)",
     )
-    ap.add_argument(
-        "command", nargs=argparse.REMAINDER, help="-- torchrun ARGS... (the torchrun command line)"
-    )
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ARGS... (the torchrun command line)")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -231,14 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             for pid in children(child.pid):
                 killed[pid] = worker_rank(pid)
             signal_workers(child.pid, signal.SIGKILL)
-            report = escalation_report(
-                stop_signal, time.monotonic() - stop_at, killed, read_status(args.status)
-            )
+            report = escalation_report(stop_signal, time.monotonic() - stop_at, killed, read_status(args.status))
             print(f"eagle3.launch: {report['message']}", file=sys.stderr, flush=True)
             try:
-                with open(
-                    args.stop_report or os.path.join(os.path.dirname(args.status), LAST_STOP_FILE), "w"
-                ) as f:
+                with open(args.stop_report or os.path.join(os.path.dirname(args.status), LAST_STOP_FILE), "w") as f:
                     json.dump(report, f)
             except OSError:
                 pass

@@ -151,9 +151,7 @@ class Trainer:
             )
         self.train_ids, self.val_ids = split_train_val(idx.num_samples, cfg.val_fraction)
         if not self.train_ids:
-            raise DataError(
-                f"the dataset has {idx.num_samples} samples: none left for training after val_fraction"
-            )
+            raise DataError(f"the dataset has {idx.num_samples} samples: none left for training after val_fraction")
         shortest = min(idx.lengths[i] for i in self.train_ids)
         if cfg.max_seq_len < shortest:
             raise ConfigError(
@@ -161,9 +159,7 @@ class Trainer:
                 f"sample would be truncated; use at least {seq_len_for(shortest)}"
             )
         if cfg.max_seq_len < cfg.ttt_steps + 2:
-            raise ConfigError(
-                f"max_seq_len={cfg.max_seq_len} leaves nothing to supervise at ttt_steps={cfg.ttt_steps}"
-            )
+            raise ConfigError(f"max_seq_len={cfg.max_seq_len} leaves nothing to supervise at ttt_steps={cfg.ttt_steps}")
         # The drafter's shape, dtype, attention, sharding and the TTT keywords, resolved for this device (the
         # object the planner sizes); flex attention on a CPU device, or a shape that cannot be built, exits 2 here.
         self.spec = resolve_spec(cfg, idx, self.info.device, self.info.world_size, nodes=self.info.nodes)
@@ -357,10 +353,15 @@ class Trainer:
         self.files.update_status(phase="validating")
         self.model.eval()
         plan = plan_epoch(
-            self.val_ids, self.reader.index.lengths, max_seq_len=self.cfg.max_seq_len,
-            world_size=self.run_options.data_parallel, seed=self.cfg.seed, epoch=0, shuffle=False,
+            self.val_ids,
+            self.reader.index.lengths,
+            max_seq_len=self.cfg.max_seq_len,
+            world_size=self.run_options.data_parallel,
+            seed=self.cfg.seed,
+            epoch=0,
+            shuffle=False,
             packing=self.cfg.packing,
-        )  # fmt: skip
+        )
         # val_max_batches: the first rows of the fixed plan, the same on every rank (FSDP runs them in step).
         cap = self.cfg.val_max_batches
         rows = plan.steps[:cap] if cap > 0 else plan.steps
@@ -407,11 +408,18 @@ class Trainer:
         self.start_step = state.step
         resumed_from = state.step if state.step else None
         self.files.update_status(
-            phase="training", step=state.step, epoch=state.epoch, steps_per_epoch=self.steps_per_epoch,
-            max_steps=self.total_steps, max_seq_len=cfg.max_seq_len, world_size=info.world_size,
-            context_parallel=self.run_options.context_parallel, data_parallel=self.run_options.data_parallel,
-            resumed_from_step=resumed_from, mem_kind="cuda" if info.device.type == "cuda" else "rss",
-        )  # fmt: skip
+            phase="training",
+            step=state.step,
+            epoch=state.epoch,
+            steps_per_epoch=self.steps_per_epoch,
+            max_steps=self.total_steps,
+            max_seq_len=cfg.max_seq_len,
+            world_size=info.world_size,
+            context_parallel=self.run_options.context_parallel,
+            data_parallel=self.run_options.data_parallel,
+            resumed_from_step=resumed_from,
+            mem_kind="cuda" if info.device.type == "cuda" else "rss",
+        )
         acc = StatAccumulator(cfg.ttt_steps)
         window_start = time.perf_counter()
         record_file = None
@@ -445,9 +453,7 @@ class Trainer:
             first = self.context.index == 0
             acc.add_scalars(tokens=tokens, rows=1 if real and first else 0, steps=1, **seconds)
             if record_file is not None:
-                record_file.write(
-                    f'{{"step": {state.step + 1}, "epoch": {state.epoch}, "ids": {list(sample_ids)}}}\n'
-                )
+                record_file.write(f'{{"step": {state.step + 1}, "epoch": {state.epoch}, "ids": {list(sample_ids)}}}\n')
                 record_file.flush()
             advance(state, len(sample_ids), len(plan))
 
@@ -474,9 +480,7 @@ class Trainer:
         self.log(f"{'stopped' if stopped else 'done'}: step {state.step}, {time.time() - self.started:.0f}s")
         return EXIT_OK
 
-    def next_row(
-        self, prefetch: RowPrefetcher, state: ckpt.TrainerState, sample_ids: list[int]
-    ) -> tuple[dict, bool]:
+    def next_row(self, prefetch: RowPrefetcher, state: ckpt.TrainerState, sample_ids: list[int]) -> tuple[dict, bool]:
         """This step's row (read ahead during earlier steps) and (row, real); queues the reads of the next
         `prefetch_depth` steps' rows, so one slow read is hidden behind several steps."""
         plan = self.plan(state.epoch)
@@ -487,9 +491,7 @@ class Trainer:
                 prefetch.schedule(position, ahead.steps[position[1]][self.row_rank], ahead.steps[0][0][0])
         return row, real
 
-    def train_step(
-        self, row: dict, real: bool, step: int, fetch_started: float
-    ) -> tuple[dict, dict[str, float]]:
+    def train_step(self, row: dict, real: bool, step: int, fetch_started: float) -> tuple[dict, dict[str, float]]:
         """Step `step` (1-based) on this rank's row: forward (TTT, under autocast), backward, clip, AdamW,
         scheduler. A filler row (`real` False) takes part with a zero loss, so every rank runs the same
         collectives. Returns the TTT statistics and the seconds of each phase (fetch runs from
@@ -558,18 +560,14 @@ class Trainer:
         if not is_log:
             return dist_utils.any_rank(bool(stop), info)
         mem_gb, mem_kind = peak_memory_gb(info.device)
-        checksummed = (
-            info.enabled and not self.run_options.sharded
-        )  # FSDP ranks hold different shards by design
+        checksummed = info.enabled and not self.run_options.sharded  # FSDP ranks hold different shards by design
         slots = torch.zeros(2, info.world_size, dtype=torch.float64)  # [2, W] memory, parameter checksum
         slots[0, info.rank] = mem_gb
         if checksummed:
             slots[1, info.rank] = dist_utils.param_checksum(self.model)
         own = dict(zip(SCALAR_SUM_KEYS, acc.scalars.tolist(), strict=True))
         table = own_column(info.world_size, info.rank, own["tokens"], sum(own[k] for k in TIMER_KEYS))
-        flat = torch.cat(
-            [torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten(), table.flatten()]
-        )
+        flat = torch.cat([torch.tensor([stop], dtype=torch.float64), acc.flat(), slots.flatten(), table.flatten()])
         flat = dist_utils.all_reduce(flat, info)
         stop_now = bool(flat[0] > 0)
         if not info.is_main:
@@ -580,11 +578,18 @@ class Trainer:
         slots = flat[1 + n : 1 + n + 2 * info.world_size].view(2, info.world_size)
         table = flat[1 + n + 2 * info.world_size :].view(NODE_ROWS, info.world_size)
         record = train_record(
-            summarize(stats), dict(zip(SCALAR_SUM_KEYS, sums.tolist(), strict=True)), slots[0].tolist(),
-            slots[1].tolist() if checksummed else None, step=state.step, epoch=state.epoch,
-            max_steps=self.total_steps, lr=self.scheduler.get_last_lr()[0], wall_s=wall_s,
-            world_size=info.world_size, mem_kind=mem_kind,
-        )  # fmt: skip
+            summarize(stats),
+            dict(zip(SCALAR_SUM_KEYS, sums.tolist(), strict=True)),
+            slots[0].tolist(),
+            slots[1].tolist() if checksummed else None,
+            step=state.step,
+            epoch=state.epoch,
+            max_steps=self.total_steps,
+            lr=self.scheduler.get_last_lr()[0],
+            wall_s=wall_s,
+            world_size=info.world_size,
+            mem_kind=mem_kind,
+        )
         print(console_line(record), flush=True)
         self.files.append_metrics(record)
         bound = round(self.watchdog.bound(), 1) if self.watchdog.enabled else None

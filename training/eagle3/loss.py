@@ -169,9 +169,7 @@ def fused_kl(model, hidden, p_t, neg_entropy, weight, lk: float = 0.0):
     need = (grad and hidden.requires_grad, grad and norm_w.requires_grad, grad and head.requires_grad)
     if not any(need):
         with torch.no_grad():
-            return FusedKL.forward(
-                _NoCtx(), hidden, norm_w, head, p_t, neg_entropy, weight, model.norm.eps, need, lk
-            )
+            return FusedKL.forward(_NoCtx(), hidden, norm_w, head, p_t, neg_entropy, weight, model.norm.eps, need, lk)
     return FusedKL.apply(hidden, norm_w, head, p_t, neg_entropy, weight, model.norm.eps, need, lk)
 
 

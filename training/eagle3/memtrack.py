@@ -272,7 +272,13 @@ def measure_planned_step(spec, seq_len: int, context=None) -> StepMemory:
         batch = shard_row(batch, context, spec.run.ttt_steps)
     run = spec.run
     return measure_drafter_step(
-        model, batch, ttt_steps=run.ttt_steps, autocast=run.autocast, loss_chunk_size=run.loss_chunk_size,
-        activation_checkpointing=run.activation_checkpointing, attention=run.attention, context=context,
+        model,
+        batch,
+        ttt_steps=run.ttt_steps,
+        autocast=run.autocast,
+        loss_chunk_size=run.loss_chunk_size,
+        activation_checkpointing=run.activation_checkpointing,
+        attention=run.attention,
+        context=context,
         lk_weight=run.lk_weight,
-    )  # fmt: skip
+    )

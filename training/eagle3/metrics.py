@@ -149,9 +149,18 @@ def console_line(record: dict) -> str:
 # ------------------------------------------------------------------------------------- the records
 # status.json fields a train record updates at each log step (besides the watchdog's bound)
 STATUS_FROM_TRAIN = (
-    "step", "epoch", "loss", "full_acc_0", "tokens_per_s", "tokens_per_s_per_rank", "step_time_s", "time_split",
-    "peak_mem_gb", "mem_kind", "eta_s",
-)  # fmt: skip
+    "step",
+    "epoch",
+    "loss",
+    "full_acc_0",
+    "tokens_per_s",
+    "tokens_per_s_per_rank",
+    "step_time_s",
+    "time_split",
+    "peak_mem_gb",
+    "mem_kind",
+    "eta_s",
+)
 
 
 def rate_fields(summary: dict) -> dict:
@@ -227,9 +236,7 @@ def status_fields(record: dict) -> dict:
     return {key: record[key] for key in STATUS_FROM_TRAIN}
 
 
-def val_record(
-    step: int, summary: dict, batches: int | None = None, batches_total: int | None = None
-) -> dict:
+def val_record(step: int, summary: dict, batches: int | None = None, batches_total: int | None = None) -> dict:
     """One validation result (status.json `val`, and metrics.jsonl with `kind: val`).
 
     `acceptance_length` is the simulated tokens per draft-and-verify round of chain drafting over the

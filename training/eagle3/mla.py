@@ -74,9 +74,7 @@ class MLAAttention(nn.Module):
     """The MLA block of a drafter's decoder layer; `forward` runs one TTT step against the latents of the steps
     before it. `norm` is the RMSNorm class of the layer (eagle3.model.RMSNorm)."""
 
-    def __init__(
-        self, input_size: int, hidden_size: int, shape: MLAShape, norm, eps: float, interleave: bool
-    ):
+    def __init__(self, input_size: int, hidden_size: int, shape: MLAShape, norm, eps: float, interleave: bool):
         super().__init__()
         shape.validate()
         self.shape = shape
@@ -90,9 +88,7 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(input_size, heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(input_size, shape.latent_dim, bias=False)
         self.kv_a_layernorm = norm(shape.kv_lora_rank, eps)
-        self.kv_b_proj = nn.Linear(
-            shape.kv_lora_rank, heads * (shape.qk_nope_head_dim + shape.v_head_dim), bias=False
-        )
+        self.kv_b_proj = nn.Linear(shape.kv_lora_rank, heads * (shape.qk_nope_head_dim + shape.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * shape.v_head_dim, hidden_size, bias=False)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,9 +122,7 @@ class MLAAttention(nn.Module):
         q_nope, q_rot = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self.up_projections()
         q_latent = torch.einsum("hsn,hnr->hsr", q_nope, w_uk)  # the no-position part, taken into the latent
-        query = torch.cat(
-            [q_latent, rotate(q_rot, cos, sin, self.interleave)], dim=-1
-        )  # [heads, S, r + rope]
+        query = torch.cat([q_latent, rotate(q_rot, cos, sin, self.interleave)], dim=-1)  # [heads, S, r + rope]
         query = query * (scale * math.sqrt(s.latent_dim))
         # context parallelism (eagle3.context): a share of the heads over the whole row, and every rank the whole
         # latent (the one key/value head of all); the identity on one rank

@@ -121,8 +121,9 @@ class Eagle3DecoderLayer(nn.Module):
         if self.mla is None:
             self.self_attn = Eagle3Attention(cfg)
         else:  # multi-head latent attention (eagle3.mla): DeepSeek-V3's, as vLLM's deepseek_eagle3 serves it
-            self.self_attn = MLAAttention(2 * cfg.hidden_size, cfg.hidden_size, self.mla, RMSNorm, cfg.rms_norm_eps,
-                                          cfg.rope_interleave)  # fmt: skip
+            self.self_attn = MLAAttention(
+                2 * cfg.hidden_size, cfg.hidden_size, self.mla, RMSNorm, cfg.rms_norm_eps, cfg.rope_interleave
+            )
             self.mla_scale = softmax_scale(self.mla, cfg.rope_scaling)
         self.mlp = Eagle3MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -173,9 +174,7 @@ class Eagle3Drafter(nn.Module):
         hidden = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, hidden)
         self.input_norm = RMSNorm(3 * hidden, cfg.rms_norm_eps) if cfg.norm_before_fc else None
-        self.fc_norm = (
-            nn.ModuleList([RMSNorm(hidden, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
-        )
+        self.fc_norm = nn.ModuleList([RMSNorm(hidden, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -246,9 +245,7 @@ class Eagle3Drafter(nn.Module):
         device = self.fc.weight.device
         if keep_full_head and vd < vt:
             rest = (~t2d).to(lm_head.device)
-            self.verifier_lm_head_rest = lm_head[rest].to(
-                device=device, dtype=self.verifier_lm_head.weight.dtype
-            )
+            self.verifier_lm_head_rest = lm_head[rest].to(device=device, dtype=self.verifier_lm_head.weight.dtype)
             self.rest_target_ids = torch.nonzero(~t2d).flatten().to(device)
         else:
             self.verifier_lm_head_rest = self.verifier_lm_head_rest.new_zeros(0, h)
@@ -330,16 +327,12 @@ class Eagle3Drafter(nn.Module):
         mode = checkpoint_mode(activation_checkpointing)
         a, b = context.bounds(batch["input_ids"].shape[0])
         input_ids = batch["input_ids"]
-        attn = row_attention(
-            TTTAttention(batch["document_ids"], attention), context, self.cfg.attention_kv_heads
-        )
+        attn = row_attention(TTTAttention(batch["document_ids"], attention), context, self.cfg.attention_kv_heads)
         aux = batch["aux_hidden"]
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         if self.fc_norm is not None:  # one RMSNorm per aux state: [S, 3H] as 3 x [S, H]
-            aux = torch.cat(
-                [norm(part) for norm, part in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], -1
-            )
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(3, dim=-1), strict=True)], -1)
         hidden = _linear(self.fc, aux)  # [S, H]
         base_positions = batch["position_ids"][a:b] + 1  # the embedded token sits one slot right
         keys, values = [], []
@@ -410,9 +403,16 @@ def _linear_rows(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _ttt_loss(
-    model: Eagle3Drafter, batch, ttt_steps, gamma, activation_checkpointing, loss_chunk_size, attention,
-    context: ContextShard = SINGLE, lk_weight: float = 0.0,
-):  # fmt: skip
+    model: Eagle3Drafter,
+    batch,
+    ttt_steps,
+    gamma,
+    activation_checkpointing,
+    loss_chunk_size,
+    attention,
+    context: ContextShard = SINGLE,
+    lk_weight: float = 0.0,
+):
     """The TTT steps first (every step's hidden state is kept for backward anyway: the next step's input), then
     the loss walked by chunks of *target* slots: a chunk's target logits, argmax and probabilities are made once
     and shared by every TTT step whose supervised slots fall in it (step k's slot j reads target slot j+1+k), so
@@ -423,9 +423,7 @@ def _ttt_loss(
     is their share of the row's (each step normalised by the row's supervised count) and the statistics their sums."""
     check_key("ttt_steps", ttt_steps)  # the config's own bound: one declaration
     if loss_chunk_size < 0:
-        raise ConfigError(
-            f"loss_chunk_size={loss_chunk_size} must be 0 (one pass) or a chunk size, e.g. 4096"
-        )
+        raise ConfigError(f"loss_chunk_size={loss_chunk_size} must be 0 (one pass) or a chunk size, e.g. 4096")
     a, b, end = context.held(check_batch(model.cfg, batch, context, ttt_steps), ttt_steps)
     device = model.fc.weight.device
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -456,9 +454,13 @@ def _ttt_loss(
                 continue
             t0 = lo + 1 + step - c
             part, kl, draft_ids, alpha = fused_kl(
-                model, hiddens[step][lo:hi], p_t[t0 : t0 + hi - lo], neg_entropy[t0 : t0 + hi - lo],
-                weights[step][lo:hi], lk_weight,
-            )  # fmt: skip
+                model,
+                hiddens[step][lo:hi],
+                p_t[t0 : t0 + hi - lo],
+                neg_entropy[t0 : t0 + hi - lo],
+                weights[step][lo:hi],
+                lk_weight,
+            )
             loss = loss + part
             kls[step].append(kl)
             ids[step].append(draft_ids)
@@ -471,9 +473,7 @@ def _ttt_loss(
     return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
 
 
-def _true_target_ids(
-    model: Eagle3Drafter, batch: dict, true: list, restricted_ids: torch.Tensor
-) -> torch.Tensor:
+def _true_target_ids(model: Eagle3Drafter, batch: dict, true: list, restricted_ids: torch.Tensor) -> torch.Tensor:
     """The target's argmax over its whole vocabulary per slot (the true-target accuracy): from the chunks, or the
     batch's `target_ids`; an error when neither can give it."""
     if true and true[0] is not None:
@@ -490,9 +490,7 @@ def _true_target_ids(
     return true_ids
 
 
-def _step_statistics(
-    model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden, alphas
-) -> torch.Tensor:
+def _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden, alphas) -> torch.Tensor:
     """[len(STAT_KEYS), ttt_steps] float64 sums and counts on the CPU: the loss, the accuracies within the draft
     vocabulary and against the true target (a slot counts at step k when it and every step before were right), and
     the expected acceptance alpha (eagle3.loss)."""

@@ -50,15 +50,26 @@ def node_fields(table: list[list[float]], hosts: list[str], wall_s: float, steps
     nodes: dict[int, dict] = {}
     for rank, (node, tokens, busy) in enumerate(zip(*table, strict=True)):
         entry = nodes.setdefault(
-            int(node), {"node": int(node), "host": hosts[rank] if rank < len(hosts) else "?", "ranks": [],
-                        "tokens": 0.0, "busy": 0.0}
-        )  # fmt: skip
+            int(node),
+            {
+                "node": int(node),
+                "host": hosts[rank] if rank < len(hosts) else "?",
+                "ranks": [],
+                "tokens": 0.0,
+                "busy": 0.0,
+            },
+        )
         entry["ranks"].append(rank)
         entry["tokens"] += tokens
         entry["busy"] = max(entry["busy"], busy)
     steps = max(1.0, steps)
     return [
-        {"node": e["node"], "host": e["host"], "ranks": e["ranks"], "tokens_per_s": e["tokens"] / max(wall_s, 1e-9),
-         "busy_s_per_step": e["busy"] / steps}
+        {
+            "node": e["node"],
+            "host": e["host"],
+            "ranks": e["ranks"],
+            "tokens_per_s": e["tokens"] / max(wall_s, 1e-9),
+            "busy_s_per_step": e["busy"] / steps,
+        }
         for _, e in sorted(nodes.items())
-    ]  # fmt: skip
+    ]

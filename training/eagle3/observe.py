@@ -79,15 +79,17 @@ def nvml_reader() -> tuple[Callable[[], list[dict]] | None, str]:
             util = value(pynvml.nvmlDeviceGetUtilizationRates, h)
             clock = value(pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM)  # MHz
             mem = value(pynvml.nvmlDeviceGetMemoryInfo, h)
-            gpus.append(gpu_sample(
-                i,
-                power_w=None if power is None else power / 1000,
-                power_limit_w=None if limit is None else limit / 1000,
-                util_pct=None if util is None else float(util.gpu),
-                sm_clock_mhz=None if clock is None else float(clock),
-                memory_used_bytes=None if mem is None else float(mem.used),
-                memory_total_bytes=None if mem is None else float(mem.total),
-            ))  # fmt: skip
+            gpus.append(
+                gpu_sample(
+                    i,
+                    power_w=None if power is None else power / 1000,
+                    power_limit_w=None if limit is None else limit / 1000,
+                    util_pct=None if util is None else float(util.gpu),
+                    sm_clock_mhz=None if clock is None else float(clock),
+                    memory_used_bytes=None if mem is None else float(mem.used),
+                    memory_total_bytes=None if mem is None else float(mem.total),
+                )
+            )
         return gpus
 
     return read, "nvml"
@@ -201,77 +203,152 @@ class PromText:
         return "\n".join(out) + "\n"
 
 
-def prom_text(status: dict, record: dict | None, val: dict | None, gpu: dict | None, tokens_total: float,
-              run: str) -> str:  # fmt: skip
+def prom_text(
+    status: dict, record: dict | None, val: dict | None, gpu: dict | None, tokens_total: float, run: str
+) -> str:
     """The textfile from the newest status.json fields, train record, validation and GPU sample."""
     p = PromText({"run": run})
+    _status_metrics(p, status, tokens_total)
+    if record is not None:
+        _step_metrics(p, record)
+    if val is not None:
+        _validation_metrics(p, val)
+    for g in (gpu or {}).get("gpus", []):
+        _gpu_metrics(p, g)
+    return p.render()
+
+
+def _status_metrics(p: PromText, status: dict, tokens_total: float) -> None:
+    """The run's state, progress and checkpoints, from status.json."""
     phase = status.get("phase")
     for state in STATES:
-        p.add("eagle3_train_state", "gauge", "1 for the run's current state (status.json phase), else 0",
-              1 if state == phase else 0, state=state)  # fmt: skip
+        p.add(
+            "eagle3_train_state",
+            "gauge",
+            "1 for the run's current state (status.json phase), else 0",
+            1 if state == phase else 0,
+            state=state,
+        )
     p.add("eagle3_train_step", "gauge", "optimizer steps completed", status.get("step"))
     p.add("eagle3_train_max_steps", "gauge", "optimizer steps the run will take", status.get("max_steps"))
     p.add("eagle3_train_max_seq_len_tokens", "gauge", "tokens per packed row", status.get("max_seq_len"))
     p.add("eagle3_train_world_size", "gauge", "ranks (processes) of the run", status.get("world_size"))
+    p.add("eagle3_train_tokens_total", "counter", "tokens trained on since this process started", tokens_total)
     p.add(
-        "eagle3_train_tokens_total", "counter", "tokens trained on since this process started", tokens_total
+        "eagle3_train_last_checkpoint_step",
+        "gauge",
+        "step of the newest valid checkpoint",
+        status.get("last_checkpoint_step"),
     )
-    p.add("eagle3_train_last_checkpoint_step", "gauge", "step of the newest valid checkpoint",
-          status.get("last_checkpoint_step"))  # fmt: skip
-    p.add("eagle3_train_last_checkpoint_timestamp_seconds", "gauge", "when the newest checkpoint was completed",
-          status.get("last_checkpoint_time"))  # fmt: skip
+    p.add(
+        "eagle3_train_last_checkpoint_timestamp_seconds",
+        "gauge",
+        "when the newest checkpoint was completed",
+        status.get("last_checkpoint_time"),
+    )
     p.add("eagle3_train_eta_seconds", "gauge", "estimated time to the last step", status.get("eta_s"))
-    p.add("eagle3_train_status_updated_timestamp_seconds", "gauge", "when status.json was last written",
-          status.get("updated"))  # fmt: skip
-    if record is not None:
+    p.add(
+        "eagle3_train_status_updated_timestamp_seconds",
+        "gauge",
+        "when status.json was last written",
+        status.get("updated"),
+    )
+
+
+def _step_metrics(p: PromText, record: dict) -> None:
+    """Speed, time split, loss and accuracies of the newest log step (a metrics.jsonl train record)."""
+    p.add("eagle3_train_tokens_per_second", "gauge", "tokens per second, all ranks", record["tokens_per_s"])
+    p.add(
+        "eagle3_train_step_seconds",
+        "gauge",
+        "wall time of one step (mean over the log window)",
+        record["step_time_s"],
+    )
+    for key, phase_name in PHASE_NAMES.items():
         p.add(
-            "eagle3_train_tokens_per_second", "gauge", "tokens per second, all ranks", record["tokens_per_s"]
-        )
-        p.add("eagle3_train_step_seconds", "gauge", "wall time of one step (mean over the log window)",
-              record["step_time_s"])  # fmt: skip
-        for key, phase_name in PHASE_NAMES.items():
-            p.add("eagle3_train_step_phase_seconds", "gauge", "time of one step spent in each phase",
-                  record["time_split"].get(key), phase=phase_name)  # fmt: skip
-        p.add("eagle3_train_loss", "gauge", "training loss, mean over the TTT steps", record.get("loss"))
-        p.add("eagle3_train_learning_rate", "gauge", "learning rate", record.get("lr"))
-        for k, v in enumerate(record.get("loss_per_step") or []):
-            p.add("eagle3_train_ttt_loss", "gauge", "training loss per TTT step", v, ttt_step=k)
-        for k, v in enumerate(record.get("full_acc") or []):
-            p.add("eagle3_train_full_accuracy_ratio", "gauge", "top-1 accuracy per TTT step (all positions)", v,
-                  ttt_step=k)  # fmt: skip
-        for k, v in enumerate(record.get("cond_acc") or []):
-            p.add("eagle3_train_conditional_accuracy_ratio", "gauge",
-                  "top-1 accuracy per TTT step where every earlier step was right", v, ttt_step=k)  # fmt: skip
-        kind = record.get("mem_kind", "rss")
-        for rank, gb in enumerate(record.get("peak_mem_gb_per_rank") or []):
-            p.add("eagle3_train_peak_memory_bytes", "gauge", "peak memory per rank (cuda: allocated, rss: CPU RSS)",
-                  gb * 2**30, rank=rank, kind=kind)  # fmt: skip
-    if val is not None:
-        p.add(
-            "eagle3_train_validation_loss",
+            "eagle3_train_step_phase_seconds",
             "gauge",
-            "validation loss, mean over the TTT steps",
-            val.get("loss"),
+            "time of one step spent in each phase",
+            record["time_split"].get(key),
+            phase=phase_name,
         )
-        p.add("eagle3_train_acceptance_length_tokens", "gauge",
-              "simulated tokens per draft-and-verify round at the last validation",
-              val.get("acceptance_length"))  # fmt: skip
-    for g in (gpu or {}).get("gpus", []):
-        i = g["index"]
-        p.add("eagle3_gpu_power_watts", "gauge", "GPU power draw", g.get("power_w"), gpu=i)
+    p.add("eagle3_train_loss", "gauge", "training loss, mean over the TTT steps", record.get("loss"))
+    p.add("eagle3_train_learning_rate", "gauge", "learning rate", record.get("lr"))
+    for k, v in enumerate(record.get("loss_per_step") or []):
+        p.add("eagle3_train_ttt_loss", "gauge", "training loss per TTT step", v, ttt_step=k)
+    for k, v in enumerate(record.get("full_acc") or []):
         p.add(
-            "eagle3_gpu_power_limit_watts", "gauge", "GPU enforced power limit", g.get("power_limit_w"), gpu=i
+            "eagle3_train_full_accuracy_ratio",
+            "gauge",
+            "top-1 accuracy per TTT step (all positions)",
+            v,
+            ttt_step=k,
         )
-        util = g.get("util_pct")
-        p.add("eagle3_gpu_utilization_ratio", "gauge", "GPU utilisation (share of time a kernel ran)",
-              None if util is None else util / 100, gpu=i)  # fmt: skip
-        clock = g.get("sm_clock_mhz")
-        p.add("eagle3_gpu_sm_clock_hertz", "gauge", "SM clock", None if clock is None else clock * 1e6, gpu=i)
-        p.add("eagle3_gpu_memory_used_bytes", "gauge", "GPU memory used (all processes)",
-              g.get("memory_used_bytes"), gpu=i)  # fmt: skip
-        p.add("eagle3_gpu_starved", "gauge", "1 when utilisation is high at low power (the GPU waits)",
-              1 if g.get("starved") else 0, gpu=i)  # fmt: skip
-    return p.render()
+    for k, v in enumerate(record.get("cond_acc") or []):
+        p.add(
+            "eagle3_train_conditional_accuracy_ratio",
+            "gauge",
+            "top-1 accuracy per TTT step where every earlier step was right",
+            v,
+            ttt_step=k,
+        )
+    kind = record.get("mem_kind", "rss")
+    for rank, gb in enumerate(record.get("peak_mem_gb_per_rank") or []):
+        p.add(
+            "eagle3_train_peak_memory_bytes",
+            "gauge",
+            "peak memory per rank (cuda: allocated, rss: CPU RSS)",
+            gb * 2**30,
+            rank=rank,
+            kind=kind,
+        )
+
+
+def _validation_metrics(p: PromText, val: dict) -> None:
+    """The newest validation: its loss and simulated acceptance length."""
+    p.add(
+        "eagle3_train_validation_loss",
+        "gauge",
+        "validation loss, mean over the TTT steps",
+        val.get("loss"),
+    )
+    p.add(
+        "eagle3_train_acceptance_length_tokens",
+        "gauge",
+        "simulated tokens per draft-and-verify round at the last validation",
+        val.get("acceptance_length"),
+    )
+
+
+def _gpu_metrics(p: PromText, g: dict) -> None:
+    """One GPU of the newest telemetry sample."""
+    i = g["index"]
+    p.add("eagle3_gpu_power_watts", "gauge", "GPU power draw", g.get("power_w"), gpu=i)
+    p.add("eagle3_gpu_power_limit_watts", "gauge", "GPU enforced power limit", g.get("power_limit_w"), gpu=i)
+    util = g.get("util_pct")
+    p.add(
+        "eagle3_gpu_utilization_ratio",
+        "gauge",
+        "GPU utilisation (share of time a kernel ran)",
+        None if util is None else util / 100,
+        gpu=i,
+    )
+    clock = g.get("sm_clock_mhz")
+    p.add("eagle3_gpu_sm_clock_hertz", "gauge", "SM clock", None if clock is None else clock * 1e6, gpu=i)
+    p.add(
+        "eagle3_gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory used (all processes)",
+        g.get("memory_used_bytes"),
+        gpu=i,
+    )
+    p.add(
+        "eagle3_gpu_starved",
+        "gauge",
+        "1 when utilisation is high at low power (the GPU waits)",
+        1 if g.get("starved") else 0,
+        gpu=i,
+    )
 
 
 def write_textfile(path: Path, text: str) -> None:
@@ -356,12 +433,11 @@ class Observer:
             self._guard("tracker", self._open_tracker, at="start")
         if self.cfg.telemetry_every_s > 0:
             reader, note = nvml_reader() if self.device_type == "cuda" else (None, "no GPU")
-            self.sampler = GpuSampler(
-                self.run_dir, self.cfg.telemetry_every_s, step, reader, note, self.on_sample
-            )
+            self.sampler = GpuSampler(self.run_dir, self.cfg.telemetry_every_s, step, reader, note, self.on_sample)
             if reader is None:
-                self.log(f"gpu telemetry: {note} (device {self.device_type}); power, utilisation and clocks "
-                         f"are not recorded")  # fmt: skip
+                self.log(
+                    f"gpu telemetry: {note} (device {self.device_type}); power, utilisation and clocks are not recorded"
+                )
             else:
                 self.log(f"gpu telemetry: every {self.cfg.telemetry_every_s:g} s to {TELEMETRY_FILE}")
             self._guard("telemetry", self.sampler.start)
@@ -379,8 +455,10 @@ class Observer:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            self.log("tensorboard: off (the tensorboard package is not installed; pip install tensorboard to get "
-                     f"event files in {self.run_dir / TENSORBOARD_DIR})")  # fmt: skip
+            self.log(
+                "tensorboard: off (the tensorboard package is not installed; pip install tensorboard to get "
+                f"event files in {self.run_dir / TENSORBOARD_DIR})"
+            )
             return None
         return SummaryWriter
 
@@ -393,8 +471,9 @@ class Observer:
         resumed = status.get("resumed_from_step")
         folder = self.run_dir / TENSORBOARD_DIR
         self.tb = writer(log_dir=str(folder), purge_step=resumed + 1 if resumed else 0)
-        self.log(f"tensorboard: event files in {folder}"
-                 + (f" (curves continue after step {resumed})" if resumed else ""))  # fmt: skip
+        self.log(
+            f"tensorboard: event files in {folder}" + (f" (curves continue after step {resumed})" if resumed else "")
+        )
 
     def _open_tracker(self) -> None:
         from eagle3.trackers import open_tracker
@@ -414,8 +493,10 @@ class Observer:
             if sink == "tracker":
                 # A new dict, never changed after: the GPU sampler's thread may fail it while RunFiles reads it.
                 self.tracker_state = {"name": self.cfg.tracker, "ok": False, "error": detail[:500], "at": at}
-                self.log(f"warning: tracker {self.cfg.tracker} failed at {at} ({detail}); training goes on without "
-                         "it (status.json tracker.ok is false)")  # fmt: skip
+                self.log(
+                    f"warning: tracker {self.cfg.tracker} failed at {at} ({detail}); training goes on without "
+                    "it (status.json tracker.ok is false)"
+                )
             else:
                 self.log(f"warning: {sink} not written ({detail}); training goes on")
 
@@ -447,8 +528,9 @@ class Observer:
     def write_prom(self) -> None:
         with self._lock:
             gpu = self.sampler.latest if self.sampler is not None else None
-            write_textfile(self.prom_path, prom_text(self.status, self.record, self.val, gpu, self.tokens_total,
-                                                     self.run))  # fmt: skip
+            write_textfile(
+                self.prom_path, prom_text(self.status, self.record, self.val, gpu, self.tokens_total, self.run)
+            )
 
     def tb_scalars(self, record: dict) -> None:
         for tag, value in tb_values(record).items():
@@ -507,11 +589,7 @@ def tb_values(record: dict) -> dict[str, float]:
         if isinstance(value, int | float):
             out[f"{kind}/{key}"] = float(value)
         elif isinstance(value, dict):
-            out.update(
-                {f"{kind}/{key}/{k}": float(v) for k, v in value.items() if isinstance(v, int | float)}
-            )
+            out.update({f"{kind}/{key}/{k}": float(v) for k, v in value.items() if isinstance(v, int | float)})
         elif isinstance(value, list) and key != "param_checksums":
-            out.update(
-                {f"{kind}/{key}_{i}": float(v) for i, v in enumerate(value) if isinstance(v, int | float)}
-            )
+            out.update({f"{kind}/{key}_{i}": float(v) for i, v in enumerate(value) if isinstance(v, int | float)})
     return out

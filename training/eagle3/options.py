@@ -61,9 +61,7 @@ def check_attention(attention: str, device: str) -> None:
     eagle3.errors.ConfigError: attention='flex' needs CUDA (flex_attention has no backward on CPU); use exact or auto
     """
     if attention == "flex" and device == "cpu":
-        raise ConfigError(
-            "attention='flex' needs CUDA (flex_attention has no backward on CPU); use exact or auto"
-        )
+        raise ConfigError("attention='flex' needs CUDA (flex_attention has no backward on CPU); use exact or auto")
 
 
 # The experiment trackers of eagle3.trackers beside TensorBoard (config key `tracker`).
@@ -106,9 +104,7 @@ def checkpoint_mode(value) -> str:
     aliases = {"false": "none", "off": "none", "no": "none", "true": "full", "on": "full", "yes": "full"}
     text = aliases.get(text, text)
     if text not in CHECKPOINT_MODES:
-        raise ConfigError(
-            f"activation_checkpointing={value!r} is not one of false, selective, full (true means full)"
-        )
+        raise ConfigError(f"activation_checkpointing={value!r} is not one of false, selective, full (true means full)")
     return text
 
 
@@ -244,11 +240,7 @@ def check_context_parallel(cp: int, world_size: int, max_seq_len: int | None = N
     if cp < 1 or cp not in divisors:
         layout = "one node"
         if nodes > 1:
-            layout = (
-                f"{nodes} nodes x {world_size // nodes} workers"
-                if world_size % nodes == 0
-                else f"{nodes} nodes"
-            )
+            layout = f"{nodes} nodes x {world_size // nodes} workers" if world_size % nodes == 0 else f"{nodes} nodes"
         elif nodes == 0:
             layout = "nodes of different sizes"
         workers = f"{world_size} worker{'s' if world_size != 1 else ''}"

@@ -44,9 +44,7 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError | torch.OutOfMemoryError):
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        "can't allocate memory" in text or "out of memory" in text.lower()
-    )
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
 FAULT_OOM_ENV = "EAGLE3_FAULT_OOM_AT_STEP"

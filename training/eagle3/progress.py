@@ -19,8 +19,9 @@ BAR_WIDTH = 30
 class Progress:
     """`update(n)` after each piece of work, `close()` at the end. `clock` is injectable for tests."""
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self, total: int, label: str, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic
+    ):
         self.total = max(0, int(total))
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -42,9 +43,7 @@ class Progress:
         if self.tty:
             filled = BAR_WIDTH * self.done // self.total if self.total else BAR_WIDTH
             bar = "#" * filled + "-" * (BAR_WIDTH - filled)
-            self.stream.write(
-                f"\r{self.label} [{bar}] {pct:3d}% {self.done}/{self.total} eta {self._eta()}  "
-            )
+            self.stream.write(f"\r{self.label} [{bar}] {pct:3d}% {self.done}/{self.total} eta {self._eta()}  ")
             self.stream.flush()
             return
         decile = pct // 10

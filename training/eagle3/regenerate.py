@@ -12,8 +12,9 @@ from pathlib import Path
 REGENERATED_FILE = "regenerated.jsonl"
 
 
-def regenerate(records: list[dict], model, tokenizer, out: Path, *, temperature: float, seed: int,
-               max_new: int, log=print) -> list[dict]:  # fmt: skip
+def regenerate(
+    records: list[dict], model, tokenizer, out: Path, *, temperature: float, seed: int, max_new: int, log=print
+) -> list[dict]:
     """The records with every assistant turn replaced by the target's own response to the turns before it (greedy
     at temperature 0, else sampled with seed + sample number), so the drafter learns what the target will say.
 
@@ -44,18 +45,21 @@ def regenerate(records: list[dict], model, tokenizer, out: Path, *, temperature:
                 for i, turn in enumerate(turns):
                     if turn["role"] != "assistant":
                         continue
-                    prompt = tokenizer.apply_chat_template(
-                        turns[:i], add_generation_prompt=True, return_dict=True
-                    )
+                    prompt = tokenizer.apply_chat_template(turns[:i], add_generation_prompt=True, return_dict=True)
                     ids = torch.tensor([list(prompt["input_ids"])], device=device)
                     torch.manual_seed(seed + n)
                     with torch.inference_mode():
                         new = model.generate(
-                            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                            top_p=None, top_k=None, eos_token_id=tokenizer.eos_token_id,
+                            input_ids=ids,
+                            attention_mask=torch.ones_like(ids),
+                            max_new_tokens=max_new,
+                            do_sample=temperature > 0,
+                            temperature=temperature if temperature > 0 else None,
+                            top_p=None,
+                            top_k=None,
+                            eos_token_id=tokenizer.eos_token_id,
                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                        )[0, ids.shape[1]:]  # fmt: skip
+                        )[0, ids.shape[1] :]
                     turn["content"] = tokenizer.decode(new, skip_special_tokens=True)
                 record = {"messages": turns}
             f.write(json.dumps(record) + "\n")
@@ -63,6 +67,8 @@ def regenerate(records: list[dict], model, tokenizer, out: Path, *, temperature:
             os.fsync(f.fileno())
             done.append(record)
             if (n + 1) % 16 == 0 or n + 1 == len(records):
-                log(f"generate: regenerated {n + 1}/{len(records)} records ({time.monotonic() - started:.0f} s)",
-                    flush=True)  # fmt: skip
+                log(
+                    f"generate: regenerated {n + 1}/{len(records)} records ({time.monotonic() - started:.0f} s)",
+                    flush=True,
+                )
     return done

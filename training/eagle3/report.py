@@ -113,10 +113,12 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     run.train = [r for r in run.train if isinstance(r.get("step"), int | float)]
     run.gpu = [r for r in read_jsonl(run_dir / "telemetry.jsonl", run.skipped) if r.get("kind") == "gpu"]
     run.evaluated = [
-        r for r in read_jsonl(run_dir / "evaluate.jsonl", run.skipped)
-        if isinstance(r.get("step"), int) and isinstance(r.get("tau_real"), int | float)
+        r
+        for r in read_jsonl(run_dir / "evaluate.jsonl", run.skipped)
+        if isinstance(r.get("step"), int)
+        and isinstance(r.get("tau_real"), int | float)
         and r.get("engine", "eagle3") == "eagle3"  # the project's decoder; vLLM's agrees (docs/serving.md)
-    ]  # fmt: skip
+    ]
     try:
         run.status = json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError) as e:
@@ -160,9 +162,7 @@ def _ttt_steps(run: Run) -> int:
 
 
 def _empty(ax, text: str) -> None:
-    ax.text(
-        0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.4", wrap=True
-    )
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.4", wrap=True)
 
 
 def _per_ttt(ax, runs: list[Run], key: str, val_key: str | None, ylabel: str) -> None:
@@ -173,8 +173,14 @@ def _per_ttt(ax, runs: list[Run], key: str, val_key: str | None, ylabel: str) ->
         for k in range(_ttt_steps(run)):
             xs, ys = _series(run.train, key, k)
             if xs:
-                ax.plot(xs, ys, color=color, linestyle=styles[k % 4], alpha=max(0.35, 1 - 0.15 * k),
-                        label=f"{run.label} ttt {k}" if len(runs) > 1 or k < 4 else None)  # fmt: skip
+                ax.plot(
+                    xs,
+                    ys,
+                    color=color,
+                    linestyle=styles[k % 4],
+                    alpha=max(0.35, 1 - 0.15 * k),
+                    label=f"{run.label} ttt {k}" if len(runs) > 1 or k < 4 else None,
+                )
                 drawn = True
             if val_key:
                 vx, vy = _series(run.val, val_key, k)
@@ -254,21 +260,21 @@ def _memory_panel(ax, runs: list[Run]) -> None:
             continue
         ranks = last["peak_mem_gb_per_rank"]
         xs = [rank + (i - (len(runs) - 1) / 2) * width for rank in range(len(ranks))]
-        ax.bar(
-            xs, ranks, width=width, color=f"C{i % 10}", label=f"{run.label} measured ({last.get('mem_kind')})"
-        )
+        ax.bar(xs, ranks, width=width, color=f"C{i % 10}", label=f"{run.label} measured ({last.get('mem_kind')})")
         if run.planned_gb is not None:
-            ax.hlines(run.planned_gb, -0.5, len(ranks) - 0.5, colors=f"C{i % 10}", linestyles="--",
-                      label=f"{run.label} planner {run.planned_gb:.2f} GiB")  # fmt: skip
-        else:
-            ax.text(
-                0.02, 0.95 - 0.06 * i, f"{run.label}: {run.planned_note}", transform=ax.transAxes, fontsize=7
+            ax.hlines(
+                run.planned_gb,
+                -0.5,
+                len(ranks) - 0.5,
+                colors=f"C{i % 10}",
+                linestyles="--",
+                label=f"{run.label} planner {run.planned_gb:.2f} GiB",
             )
+        else:
+            ax.text(0.02, 0.95 - 0.06 * i, f"{run.label}: {run.planned_note}", transform=ax.transAxes, fontsize=7)
         drawn = True
     if drawn:
-        ax.set_xticks(
-            range(max(len(r.train[-1].get("peak_mem_gb_per_rank") or [1]) for r in runs if r.train))
-        )
+        ax.set_xticks(range(max(len(r.train[-1].get("peak_mem_gb_per_rank") or [1]) for r in runs if r.train)))
         ax.set_xlabel("rank")
         ax.set_ylabel("peak GiB (cuda: allocated; rss: CPU resident)")
         ax.legend(fontsize=7)
@@ -283,14 +289,25 @@ def _plot_gpu_samples(ax, ax2, i: int, run: Run, samples: list[dict]) -> None:
         idx = g["index"]
         pts = [(s["time"] - t0) / 60 for s in samples]
         per = [next((x for x in s["gpus"] if x["index"] == idx), {}) for s in samples]
-        ax.plot(pts, [p.get("power_w") for p in per], color=f"C{i % 10}", alpha=0.8,
-                label=f"{run.label} gpu{idx} power")  # fmt: skip
-        ax2.plot(pts, [p.get("util_pct") for p in per], color=f"C{i % 10}", linestyle=":", alpha=0.8,
-                 label=f"{run.label} gpu{idx} util")  # fmt: skip
+        ax.plot(
+            pts, [p.get("power_w") for p in per], color=f"C{i % 10}", alpha=0.8, label=f"{run.label} gpu{idx} power"
+        )
+        ax2.plot(
+            pts,
+            [p.get("util_pct") for p in per],
+            color=f"C{i % 10}",
+            linestyle=":",
+            alpha=0.8,
+            label=f"{run.label} gpu{idx} util",
+        )
         starved = [(t, p.get("power_w")) for t, p in zip(pts, per, strict=True) if p.get("starved")]
         if starved:
-            ax.plot(*zip(*starved, strict=True), "rx", markersize=7,
-                    label="starved (util >= 90 %, power < 50 % of limit)" if i == 0 and idx == 0 else None)  # fmt: skip
+            ax.plot(
+                *zip(*starved, strict=True),
+                "rx",
+                markersize=7,
+                label="starved (util >= 90 %, power < 50 % of limit)" if i == 0 and idx == 0 else None,
+            )
 
 
 def _gpu_panel(ax, runs: list[Run]) -> None:
@@ -315,8 +332,9 @@ def _gpu_panel(ax, runs: list[Run]) -> None:
         ax.legend(fontsize=6, loc="upper left")
         ax2.legend(fontsize=6, loc="lower right")
     if notes:
-        _empty(ax, "\n".join(notes)) if not drawn else ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes,
-                                                              fontsize=7)  # fmt: skip
+        _empty(ax, "\n".join(notes)) if not drawn else ax.text(
+            0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7
+        )
 
 
 def render_figure(runs: list[Run]):
@@ -400,11 +418,23 @@ def write_report(run_dirs: list[str], out: str | Path, labels: list[str] | None 
 
 def html_page(info: dict, png: bytes) -> str:
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in
-                         ("label", "phase", "step", "max_seq_len", "train_records", "val_records", "gpu_samples",
-                          "planned_peak_gb")) + "</tr>"
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(r[k]))}</td>"
+            for k in (
+                "label",
+                "phase",
+                "step",
+                "max_seq_len",
+                "train_records",
+                "val_records",
+                "gpu_samples",
+                "planned_peak_gb",
+            )
+        )
+        + "</tr>"
         for r in info["runs"]
-    )  # fmt: skip
+    )
     skipped = "".join(f"<li>{html.escape(s)}</li>" for s in info["skipped"]) or "<li>none</li>"
     panels = "".join(f"<li>{html.escape(p)}</li>" for p in info["panels"])
     return f"""<!doctype html>
@@ -426,8 +456,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `eagle3 train`")
     p.add_argument("-o", "--output", default="report.png", help="report.png (and report.json) or report.html")
-    p.add_argument("--label", action="append", default=None,
-                   help="a name per RUN_DIR, in order (default: the directory names)")  # fmt: skip
+    p.add_argument(
+        "--label", action="append", default=None, help="a name per RUN_DIR, in order (default: the directory names)"
+    )
     return p
 
 
@@ -436,7 +467,5 @@ def main(argv: list[str]) -> int:
     info = write_report(args.run_dirs, args.output, args.label)
     for line in info["skipped"]:
         print(f"report: {line}", file=sys.stderr, flush=True)
-    print(
-        f"report: wrote {args.output} ({len(info['panels'])} panels, {len(info['runs'])} run(s))", flush=True
-    )
+    print(f"report: wrote {args.output} ({len(info['panels'])} panels, {len(info['runs'])} run(s))", flush=True)
     return EXIT_OK

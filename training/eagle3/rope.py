@@ -63,9 +63,7 @@ def normalize_rope_scaling(scaling: object, where: str = "rope_scaling") -> dict
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise ConfigError(
-            f"{where}={scaling!r} is not a mapping (for example {{rope_type: yarn, factor: 4.0, ...}})"
-        )
+        raise ConfigError(f"{where}={scaling!r} is not a mapping (for example {{rope_type: yarn, factor: 4.0, ...}})")
     values = dict(scaling)
     kind = values.pop("rope_type", None)
     legacy = values.pop("type", None)
@@ -82,9 +80,7 @@ def normalize_rope_scaling(scaling: object, where: str = "rope_scaling") -> dict
     for key in _IGNORED:
         values.pop(key, None)
     if values.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(
-            f"{where}: partial_rotary_factor={values['partial_rotary_factor']} is not supported"
-        )
+        raise ConfigError(f"{where}: partial_rotary_factor={values['partial_rotary_factor']} is not supported")
     values.pop("partial_rotary_factor", None)
     required, optional = ROPE_PARAMETERS[kind]
     unknown = sorted(set(values) - set(required) - set(optional))
@@ -171,9 +167,7 @@ def inv_freq_and_scale(
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(head_dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(
-        0, 1
-    )
+    ramp = ((torch.arange(head_dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     # ramp 0: high-frequency dimensions keep their frequency; ramp 1: low-frequency ones are interpolated.
     inv_freq = inv_freq * (1 - ramp) + (inv_freq / factor) * ramp
     attention = scaling.get("attention_factor")

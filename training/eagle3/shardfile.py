@@ -62,9 +62,7 @@ class ShardFile:
 
     def _parse(self, size: int) -> dict[str, TensorEntry]:
         def corrupt(why: str) -> DataError:
-            return DataError(
-                f"dataset file {str(self.path)!r} is corrupt ({why}); regenerate or re-import it"
-            )
+            return DataError(f"dataset file {str(self.path)!r} is corrupt ({why}); regenerate or re-import it")
 
         head = os.pread(self.fd, 8, 0)
         if len(head) != 8:
@@ -129,9 +127,7 @@ class ShardFile:
 def open_shard(path: Path):
     """A lazy safetensors handle on `path` (tensors are read on request); DataError when it is missing or corrupt."""
     if not path.is_file():
-        raise DataError(
-            f"dataset file {str(path)!r} is missing; the dataset is incomplete, regenerate or re-import it"
-        )
+        raise DataError(f"dataset file {str(path)!r} is missing; the dataset is incomplete, regenerate or re-import it")
     try:
         return safe_open(str(path), framework="pt")
     except Exception as e:  # a truncated or overwritten file fails in the header check

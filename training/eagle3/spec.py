@@ -78,11 +78,7 @@ class MLAShape:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key}={value!r} must be a positive integer")
-        if (
-            isinstance(self.q_lora_rank, bool)
-            or not isinstance(self.q_lora_rank, int)
-            or self.q_lora_rank < 0
-        ):
+        if isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
             raise ConfigError(f"q_lora_rank={self.q_lora_rank!r} must be 0 (no low-rank query) or positive")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
@@ -129,9 +125,7 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
-        if (
-            self.kv_lora_rank
-        ):  # MLA: a query/key head is qk_nope + qk_rope wide (head_dim is not read otherwise)
+        if self.kv_lora_rank:  # MLA: a query/key head is qk_nope + qk_rope wide (head_dim is not read otherwise)
             self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def to_dict(self) -> dict:
@@ -145,15 +139,11 @@ class DrafterConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ConfigError(
-                f"unknown drafter config key(s) {unknown}; known keys: {', '.join(sorted(names))}"
-            )
+            raise ConfigError(f"unknown drafter config key(s) {unknown}; known keys: {', '.join(sorted(names))}")
         required = {*SHAPE_KEYS, "aux_layer_ids"}
         missing = sorted(required - set(data))
         if missing:
-            raise ConfigError(
-                f"drafter config is missing {missing}; every one of {sorted(required)} is required"
-            )
+            raise ConfigError(f"drafter config is missing {missing}; every one of {sorted(required)} is required")
         values = dict(data)
         if isinstance(values["aux_layer_ids"], list | tuple):
             values["aux_layer_ids"] = tuple(values["aux_layer_ids"])
@@ -207,8 +197,14 @@ class DrafterConfig:
         """The MLA dimensions, or None for the Llama-style q/k/v attention."""
         if not self.kv_lora_rank:
             return None
-        return MLAShape(self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
-                        self.qk_rope_head_dim, self.v_head_dim)  # fmt: skip
+        return MLAShape(
+            self.num_heads,
+            self.q_lora_rank,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+        )
 
     @property
     def rope_dim(self) -> int:
@@ -294,9 +290,7 @@ class DrafterConfig:
         """Linear weights plus the trainable RMSNorm weights (input/hidden/post-attention/final, input_norm over 3H)."""
         h, m = self.hidden_size, self.mla
         mla_norms = (m.q_lora_rank + m.kv_lora_rank) if m else 0  # q_a_layernorm, kv_a_layernorm
-        return (
-            self.linear_params() + 4 * h + (3 * h if self.norm_before_fc or self.fc_norm else 0) + mla_norms
-        )
+        return self.linear_params() + 4 * h + (3 * h if self.norm_before_fc or self.fc_norm else 0) + mla_norms
 
     def frozen_params(self, keep_full_head: bool = True) -> int:
         """Embedding, verifier norm and head, the frozen lm_head and, for the true-target accuracy, the target head
@@ -463,14 +457,10 @@ class RunSpec:
     drafter: DrafterConfig
     run: options.RunOptions
     data_bytes: int = 2  # the data set's hidden states: bf16
-    reserve_gib: float = (
-        1.0  # outside torch's counters: CUDA context, NCCL buffers, slack; on CPU the process
-    )
+    reserve_gib: float = 1.0  # outside torch's counters: CUDA context, NCCL buffers, slack; on CPU the process
     allocator_factor: float = 1.0  # process memory per byte of live tensors (CPU_ALLOCATOR_FACTOR on CPU)
     optimizer_state_bytes: int = 8  # AdamW: exp_avg + exp_avg_sq in fp32
-    keep_full_head: bool = (
-        True  # the target head rows outside the draft vocab stay (the true-target accuracy)
-    )
+    keep_full_head: bool = True  # the target head rows outside the draft vocab stay (the true-target accuracy)
 
     @property
     def checkpointing(self) -> bool:
@@ -521,9 +511,7 @@ def spec_of(
     )
 
 
-def spec_for(
-    drafter: DrafterConfig, world_size: int = 1, nodes: int = 1, data_bytes: int = 2, **config
-) -> RunSpec:
+def spec_for(drafter: DrafterConfig, world_size: int = 1, nodes: int = 1, data_bytes: int = 2, **config) -> RunSpec:
     """The spec of a drafter shape under trainer config keys (`device`, `dtype`, `attention`, `fsdp`, `ttt_steps`,
     ...; the trainer's defaults otherwise): for the tests, the benches and the examples.
 

@@ -45,9 +45,7 @@ def hold_standin_device(paths: list[str], rank: int) -> str | None:
         _HELD.append(fd)
         return path
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(
-            f"standin_gpu_devices entry {path!r} is neither a regular file nor a character device"
-        )
+        raise ConfigError(f"standin_gpu_devices entry {path!r} is neither a regular file nor a character device")
     fd = os.open(path, os.O_RDWR)
     if os.fstat(fd).st_size == 0:
         # mmap needs at least one byte; a fresh empty stand-in file gets one page.

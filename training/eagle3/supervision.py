@@ -70,9 +70,7 @@ def check_batch(cfg: DrafterConfig, batch: dict, context: ContextShard = SINGLE,
             )
     for key in ("input_ids", "document_ids", "position_ids"):
         if batch[key].is_floating_point():
-            raise DataError(
-                f"batch[{key!r}] has dtype {batch[key].dtype}, expected an integer dtype (torch.long)"
-            )
+            raise DataError(f"batch[{key!r}] has dtype {batch[key].dtype}, expected an integer dtype (torch.long)")
     ids = batch["input_ids"]
     if seq_len and (int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size):
         raise DataError(

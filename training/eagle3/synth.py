@@ -199,9 +199,7 @@ def _synthesize(out_dir: str | os.PathLike, cfg: SynthConfig, batch: int, log, p
     bar = Progress(cfg.num_samples, "synth: documents") if progress else None
     for start in range(0, cfg.num_samples, batch):
         ids = by_length[start : start + batch]
-        for i, doc in zip(
-            ids, target.generate([lengths[i] for i in ids], [layouts[i] for i in ids]), strict=True
-        ):
+        for i, doc in zip(ids, target.generate([lengths[i] for i in ids], [layouts[i] for i in ids]), strict=True):
             docs[i] = doc
         if bar is not None:
             bar.update(len(ids))
@@ -261,17 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="the new dataset directory")
     d = SynthConfig()
     for name in ("num_samples", "hidden_size", "target_vocab", "draft_vocab", "min_len", "max_len", "seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), metavar="INT",
-                       help=SYNTH_HELP[name])  # fmt: skip
-    for name in ("temperature", "zipf", "context"):
         p.add_argument(
-            "--" + name, type=float, default=getattr(d, name), metavar="FLOAT", help=SYNTH_HELP[name]
+            "--" + name.replace("_", "-"), type=int, default=getattr(d, name), metavar="INT", help=SYNTH_HELP[name]
         )
+    for name in ("temperature", "zipf", "context"):
+        p.add_argument("--" + name, type=float, default=getattr(d, name), metavar="FLOAT", help=SYNTH_HELP[name])
+    p.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"), help=SYNTH_HELP["dtype"])
     p.add_argument(
-        "--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"), help=SYNTH_HELP["dtype"]
+        "--aux-layer-ids",
+        default=",".join(map(str, d.aux_layer_ids)),
+        metavar="A,B,C",
+        help=SYNTH_HELP["aux_layer_ids"],
     )
-    p.add_argument("--aux-layer-ids", default=",".join(map(str, d.aux_layer_ids)), metavar="A,B,C",
-                   help=SYNTH_HELP["aux_layer_ids"])  # fmt: skip
     return p
 
 
@@ -283,9 +282,7 @@ def main(argv: list[str]) -> int:
     try:
         values["aux_layer_ids"] = tuple(int(v) for v in values["aux_layer_ids"].split(","))
     except ValueError as e:
-        raise ConfigError(
-            f"--aux-layer-ids {values['aux_layer_ids']!r} must be 3 integers like 2,8,13"
-        ) from e
+        raise ConfigError(f"--aux-layer-ids {values['aux_layer_ids']!r} must be 3 integers like 2,8,13") from e
     if len(values["aux_layer_ids"]) != 3:
         raise ConfigError(f"--aux-layer-ids {values['aux_layer_ids']} must name exactly 3 layers")
     synthesize(out_dir, SynthConfig(**values), progress=True)

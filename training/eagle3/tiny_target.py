@@ -66,13 +66,9 @@ class TinyTargetConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"tiny-target: {key}={getattr(self, key)} must be at least 1")
         if self.vocab_size < 300:
-            raise ConfigError(
-                f"tiny-target: vocab_size={self.vocab_size} must be at least 300 (256 bytes + merges)"
-            )
+            raise ConfigError(f"tiny-target: vocab_size={self.vocab_size} must be at least 300 (256 bytes + merges)")
         if self.num_layers < 3:
-            raise ConfigError(
-                f"tiny-target: num_layers={self.num_layers} must be at least 3 (3 distinct aux layers)"
-            )
+            raise ConfigError(f"tiny-target: num_layers={self.num_layers} must be at least 3 (3 distinct aux layers)")
 
 
 def corpus_files(limit_bytes: int) -> list[Path]:
@@ -117,9 +113,7 @@ def _train_tokenizer(cfg: TinyTargetConfig, texts: list[str]):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -169,11 +163,7 @@ def _train(model, cfg: TinyTargetConfig, train_ids, log) -> None:
     warmup = max(1, cfg.steps // 20)
     model.train()
     for step in range(cfg.steps):
-        lr = (
-            cfg.lr
-            * min(1.0, (step + 1) / warmup)
-            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
-        )
+        lr = cfg.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, train_ids.numel() - cfg.seq_len - 1, (cfg.batch,), generator=gen)
@@ -289,9 +279,7 @@ def main(argv: list[str]) -> int:
     for key in ("steps", "seed", "vocab_size", "hidden_size", "num_layers", "batch", "seq_len"):
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=getattr(defaults, key))
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
-    ap.add_argument(
-        "--if-missing", action="store_true", help="do nothing when OUT_DIR holds a complete build"
-    )
+    ap.add_argument("--if-missing", action="store_true", help="do nothing when OUT_DIR holds a complete build")
     args = ap.parse_args(argv)
     if args.if_missing and (Path(args.out_dir) / INFO_FILE).is_file():
         print(f"tiny-target: {args.out_dir} is complete already", flush=True)
@@ -301,8 +289,7 @@ def main(argv: list[str]) -> int:
 
         torch.set_num_threads(args.threads)
     values = {
-        k: getattr(args, k)
-        for k in ("steps", "seed", "vocab_size", "hidden_size", "num_layers", "batch", "seq_len")
+        k: getattr(args, k) for k in ("steps", "seed", "vocab_size", "hidden_size", "num_layers", "batch", "seq_len")
     }
     build(args.out_dir, TinyTargetConfig(**values))
     return 0

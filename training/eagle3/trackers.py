@@ -178,12 +178,17 @@ class WandbTracker:
 
         self.resumed = record.get("tracker") == "wandb"
         self.run = wandb.init(
-            mode="offline", dir=str(run_dir), project=project, name=run_dir.name,
-            id=record["run_id"] if self.resumed else None, resume="allow" if self.resumed else None,
-            config=config, allow_val_change=True,
+            mode="offline",
+            dir=str(run_dir),
+            project=project,
+            name=run_dir.name,
+            id=record["run_id"] if self.resumed else None,
+            resume="allow" if self.resumed else None,
+            config=config,
+            allow_val_change=True,
             # Our log is the journal's: W&B neither copies the console nor samples the machine on its own.
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
-        )  # fmt: skip
+        )
         self.record = {"tracker": "wandb", "run_id": self.run.id, "dir": str(Path(self.run.dir).parent)}
 
     def log(self, values: dict[str, float], step: int, timestamp_ms: int) -> None:

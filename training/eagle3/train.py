@@ -60,8 +60,17 @@ def _config_error_status(status_file: str | None, message: str, max_seq_len: int
     error = {"kind": "config", "message": message, "max_seq_len": max_seq_len or old.get("max_seq_len") or 0}
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {**old, **_previous_run(old), "phase": "failed", "error": error,
-                                 "pid": os.getpid(), "updated": time.time()})  # fmt: skip
+        atomic_write_json(
+            path,
+            {
+                **old,
+                **_previous_run(old),
+                "phase": "failed",
+                "error": error,
+                "pid": os.getpid(),
+                "updated": time.time(),
+            },
+        )
 
 
 def _previous_run(old: dict) -> dict:
@@ -193,9 +202,7 @@ class Run:
         """Everything before the model: bad input exits 2 before CUDA or the process group take GPU memory."""
         cfg, files, rank = self.cfg, self.files, self.rank
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        check_tracker(
-            cfg.tracker
-        )  # a missing MLflow or W&B package: exit 2 on every rank, before any GPU work
+        check_tracker(cfg.tracker)  # a missing MLflow or W&B package: exit 2 on every rank, before any GPU work
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dist_utils.set_cuda_alloc_conf()
@@ -231,15 +238,16 @@ class Run:
             check_hsdp_groups(nodes_of, trainer.run_options.shard_ranks, trainer.log)
         # Every rank: from here on, no finished step within the bound ends the process with EXIT_HANG.
         self.watchdog = Watchdog(
-            floor_s=cfg.watchdog_floor_s, factor=cfg.watchdog_factor, first_step_s=cfg.watchdog_first_step_s,
-            checkpoint_s=cfg.watchdog_checkpoint_s, on_hang=lambda message: self.record_error("hang", message),
-        ).start()  # fmt: skip
+            floor_s=cfg.watchdog_floor_s,
+            factor=cfg.watchdog_factor,
+            first_step_s=cfg.watchdog_first_step_s,
+            checkpoint_s=cfg.watchdog_checkpoint_s,
+            on_hang=lambda message: self.record_error("hang", message),
+        ).start()
         trainer.watchdog = self.watchdog
         apply_memory_limit(cfg.memory_limit_gb, info.device)
         if info.device.type == "cuda" and dist_utils.expandable_segments_active() is False:
-            trainer.log(
-                "warning: expandable_segments is not active in the CUDA allocator (PYTORCH_ALLOC_CONF)"
-            )
+            trainer.log("warning: expandable_segments is not active in the CUDA allocator (PYTORCH_ALLOC_CONF)")
 
     def ended_by(self, e: BaseException) -> int:
         """The exit code for an exception out of the set-up or the loop, its record in status.json."""
@@ -257,20 +265,15 @@ class Run:
         if is_oom(e):
             detail = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             message = f"out of memory at max_seq_len={cfg.max_seq_len}: {detail}"
-            e.__traceback__ = (
-                None  # drop the exception's frames (they pin tensors) before touching memory again
-            )
+            e.__traceback__ = None  # drop the exception's frames (they pin tensors) before touching memory again
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
-            print(f"OOM: {message}; lower max_seq_len or enable activation_checkpointing", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(f"OOM: {message}; lower max_seq_len or enable activation_checkpointing", file=sys.stderr, flush=True)
             self.record_error("oom", message)
             return EXIT_OOM
         traceback.print_exception(e)
         errno_name = ckpt.storage_errno(e)
-        if (
-            errno_name
-        ):  # a write into run_dir outside a checkpoint (status, metrics): a restart cannot help either
+        if errno_name:  # a write into run_dir outside a checkpoint (status, metrics): a restart cannot help either
             path = str(getattr(e, "filename", None) or cfg.run_dir)
             record = f"{path}: {errno_name}: {e}"[:2000]
             self.record_error(STORAGE_KINDS[errno_name], record, errno=errno_name, path=path)
@@ -302,9 +305,7 @@ class Run:
                 error={"kind": kind, "message": message, "max_seq_len": self.cfg.max_seq_len, **detail},
             )
         except OSError as e:  # a full disk: the journal still has the message
-            print(
-                f"status.json not updated ({e.strerror or e}): {kind}: {message}", file=sys.stderr, flush=True
-            )
+            print(f"status.json not updated ({e.strerror or e}): {kind}: {message}", file=sys.stderr, flush=True)
 
 
 # A collective's error when another rank has gone (gloo, NCCL): the cause is that rank's, not this one's.
@@ -326,5 +327,11 @@ def _second_signal(files: RunFiles, name: str, rank: int) -> None:
     print(f"second {name}: exiting at once without a checkpoint", flush=True)
     if rank == 0:
         with contextlib.suppress(Exception):
-            files.update_status(phase="failed", error={"kind": "crash", "message": f"second {name}: exited at once "
-                                "without a checkpoint", "max_seq_len": files.status.get("max_seq_len", 0)})  # fmt: skip
+            files.update_status(
+                phase="failed",
+                error={
+                    "kind": "crash",
+                    "message": f"second {name}: exited at once without a checkpoint",
+                    "max_seq_len": files.status.get("max_seq_len", 0),
+                },
+            )

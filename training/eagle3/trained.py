@@ -34,16 +34,22 @@ def pick_checkpoint(run_dir: str, which: str, warn: Callable[[str], None] = _std
     if which not in ("best", "latest"):
         path = Path(which)
         if not (path / ckpt.MARKER).is_file():
-            raise ConfigError(
-                f"--checkpoint {which!r} is not a complete checkpoint directory (no {ckpt.MARKER})"
-            )
-        _refuse_damaged(path, f"--checkpoint {which!r}", "name another checkpoint directory, or use "
-                        "--checkpoint latest (the newest checkpoint of the run that verifies)")  # fmt: skip
+            raise ConfigError(f"--checkpoint {which!r} is not a complete checkpoint directory (no {ckpt.MARKER})")
+        _refuse_damaged(
+            path,
+            f"--checkpoint {which!r}",
+            "name another checkpoint directory, or use "
+            "--checkpoint latest (the newest checkpoint of the run that verifies)",
+        )
         return path
     best = ckpt.checkpoints_dir(run_dir) / ckpt.BEST
     if which == "best" and (best / ckpt.MARKER).is_file():
-        _refuse_damaged(best, "--checkpoint best", "use --checkpoint latest (the newest step checkpoint that "
-                        "verifies) or --checkpoint PATH; the run's next better validation writes best again")  # fmt: skip
+        _refuse_damaged(
+            best,
+            "--checkpoint best",
+            "use --checkpoint latest (the newest step checkpoint that "
+            "verifies) or --checkpoint PATH; the run's next better validation writes best again",
+        )
         return best
     newest, skipped = ckpt.newest_verified(run_dir, warn)
     if newest is None:

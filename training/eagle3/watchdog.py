@@ -192,9 +192,7 @@ class Watchdog:
         self.fired = True
         out = self.stream
         with contextlib.suppress(Exception):
-            print(
-                f"hang: {message}; stacks of all threads follow, then exit {EXIT_HANG}", file=out, flush=True
-            )
+            print(f"hang: {message}; stacks of all threads follow, then exit {EXIT_HANG}", file=out, flush=True)
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=out, all_threads=True)
             out.flush()

@@ -70,9 +70,7 @@ def _row(cfg: DrafterConfig, doc_lengths, seq_len: int | None = None, seed: int 
     }
 
 
-def _model(
-    cfg: DrafterConfig | None = None, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> Eagle3Drafter:
+def _model(cfg: DrafterConfig | None = None, seed: int = 0, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
     cfg = cfg or _tiny_config()
     torch.manual_seed(seed)
     model = Eagle3Drafter(cfg)

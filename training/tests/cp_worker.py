@@ -22,9 +22,7 @@ SEQ = 64
 ROWS = ([20, 9, 25], [7, 30, 17, 6])  # several documents per row, then padding to SEQ
 
 GQA = dict(num_heads=4, num_kv_heads=2)
-MLA = dict(
-    num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12
-)
+MLA = dict(num_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
 # (name, world size, cp, drafter overrides, trainer keywords)
 CASES = [
     ("gqa-cp2", 2, 2, GQA, {}),
@@ -66,18 +64,84 @@ def run_case(rank: int, world: int, cp: int, overrides: dict, keywords: dict) ->
 
 # (name, world size = cp, drafter overrides of the planner's tests' shapes, dtype, activation checkpointing)
 MEMORY_CASES = [
-    ("h96", 2, dict(hidden_size=96, num_heads=6, head_dim=16, intermediate_size=256, draft_vocab_size=768,
-                    target_vocab_size=1536), "fp32", False),
-    ("h128-gqa", 2, dict(hidden_size=128, num_heads=8, head_dim=16, num_kv_heads=2, intermediate_size=320,
-                         draft_vocab_size=1024, target_vocab_size=2048), "fp32", "full"),
-    ("h128-gqa", 4, dict(hidden_size=128, num_heads=8, head_dim=16, num_kv_heads=2, intermediate_size=320,
-                         draft_vocab_size=1024, target_vocab_size=2048), "fp32", "selective"),
-    ("h96-mla", 2, dict(hidden_size=96, num_heads=6, head_dim=16, intermediate_size=256, draft_vocab_size=768,
-                        target_vocab_size=1536, q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=16,
-                        qk_rope_head_dim=8, v_head_dim=24), "fp32", False),
-    ("h64", 4, dict(hidden_size=64, num_heads=4, head_dim=16, intermediate_size=192, draft_vocab_size=512,
-                    target_vocab_size=1024), "bf16", True),
-]  # fmt: skip
+    (
+        "h96",
+        2,
+        dict(
+            hidden_size=96,
+            num_heads=6,
+            head_dim=16,
+            intermediate_size=256,
+            draft_vocab_size=768,
+            target_vocab_size=1536,
+        ),
+        "fp32",
+        False,
+    ),
+    (
+        "h128-gqa",
+        2,
+        dict(
+            hidden_size=128,
+            num_heads=8,
+            head_dim=16,
+            num_kv_heads=2,
+            intermediate_size=320,
+            draft_vocab_size=1024,
+            target_vocab_size=2048,
+        ),
+        "fp32",
+        "full",
+    ),
+    (
+        "h128-gqa",
+        4,
+        dict(
+            hidden_size=128,
+            num_heads=8,
+            head_dim=16,
+            num_kv_heads=2,
+            intermediate_size=320,
+            draft_vocab_size=1024,
+            target_vocab_size=2048,
+        ),
+        "fp32",
+        "selective",
+    ),
+    (
+        "h96-mla",
+        2,
+        dict(
+            hidden_size=96,
+            num_heads=6,
+            head_dim=16,
+            intermediate_size=256,
+            draft_vocab_size=768,
+            target_vocab_size=1536,
+            q_lora_rank=48,
+            kv_lora_rank=64,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=24,
+        ),
+        "fp32",
+        False,
+    ),
+    (
+        "h64",
+        4,
+        dict(
+            hidden_size=64,
+            num_heads=4,
+            head_dim=16,
+            intermediate_size=192,
+            draft_vocab_size=512,
+            target_vocab_size=1024,
+        ),
+        "bf16",
+        True,
+    ),
+]
 MEMORY_LEN = 1536
 
 
@@ -87,8 +151,17 @@ def memory_spec(world: int, overrides: dict, dtype: str, ckpt):
     from eagle3.spec import DrafterConfig, spec_for
 
     drafter = DrafterConfig(**{"aux_layer_ids": (1, 3, 5), **overrides})
-    spec = spec_for(drafter, world_size=world, device="cpu", dtype=dtype, attention="exact", loss_chunk_size=256,
-                    activation_checkpointing=ckpt, ttt_steps=TTT, context_parallel=world)  # fmt: skip
+    spec = spec_for(
+        drafter,
+        world_size=world,
+        device="cpu",
+        dtype=dtype,
+        attention="exact",
+        loss_chunk_size=256,
+        activation_checkpointing=ckpt,
+        ttt_steps=TTT,
+        context_parallel=world,
+    )
     spec = dataclasses.replace(spec, reserve_gib=0.0, allocator_factor=1.0)
     return spec.with_run(frozen_bf16=True) if dtype == "bf16" else spec
 

@@ -177,9 +177,7 @@ def train_tiny_drafter(base: Path) -> TinyDrafter:
     stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     train = chats(base / "train.jsonl", stdlib[9::10][:16])
     held = chats(base / "held.jsonl", stdlib[4::10][:2])
-    generate(
-        target, train, base / "data", max_len=512, draft_vocab=512, shard_samples=16, log=lambda *a, **k: None
-    )
+    generate(target, train, base / "data", max_len=512, draft_vocab=512, shard_samples=16, log=lambda *a, **k: None)
     options = (
         "--max_seq_len 1024 --max_steps 100 --warmup_steps 10 --lr 3e-3 --ttt_steps 3 --checkpoint_every 100 "
         "--device cpu --dtype fp32 --num_threads 2 --num_heads 2 --num_kv_heads 1 --head_dim 32"

@@ -66,17 +66,25 @@ def data(tmp_path_factory):
 
 def test_val_max_batches_is_honoured_and_acceptance_reaches_status(tmp_path, data):
     cfg = write_config(
-        tmp_path / "train.yaml", data_dir=str(data), run_dir=str(tmp_path / "run"), max_seq_len=512,
-        ttt_steps=2, lr=3e-3, warmup_steps=1, log_every=1, val_every=1, val_max_batches=1, max_steps=2,
-        checkpoint_every=1000, num_threads=1,
-    )  # fmt: skip
+        tmp_path / "train.yaml",
+        data_dir=str(data),
+        run_dir=str(tmp_path / "run"),
+        max_seq_len=512,
+        ttt_steps=2,
+        lr=3e-3,
+        warmup_steps=1,
+        log_every=1,
+        val_every=1,
+        val_max_batches=1,
+        max_steps=2,
+        checkpoint_every=1000,
+        num_threads=1,
+    )
     log = tmp_path / "log.txt"
     assert run_trainer(["train", "--config", str(cfg)], log) == 0, log.read_text()
     reader = DatasetReader(data)
     _, val_ids = split_train_val(reader.index.num_samples, 0.1)
-    plan = plan_epoch(
-        val_ids, reader.index.lengths, max_seq_len=512, world_size=1, seed=0, epoch=0, shuffle=False
-    )
+    plan = plan_epoch(val_ids, reader.index.lengths, max_seq_len=512, world_size=1, seed=0, epoch=0, shuffle=False)
     assert len(plan.steps) > 1  # otherwise the cap would cut nothing
 
     def step0_positions(ids):

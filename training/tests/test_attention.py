@@ -145,17 +145,13 @@ def test_flex_backward_is_unavailable_on_cpu_as_documented():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs CUDA")
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 2])  # 2: grouped-query attention (compiled flex with enable_gqa)
-def test_flex_matches_exact_forward_and_backward_on_cuda(
-    make_model, make_row, tiny_config, checkpointing, kv_heads
-):
+def test_flex_matches_exact_forward_and_backward_on_cuda(make_model, make_row, tiny_config, checkpointing, kv_heads):
     cfg = tiny_config(num_kv_heads=kv_heads)
     batch = make_row(cfg, [200, 150, 100], seq_len=512, mask_prob=0.8)
     results = {}
     for kind in ("exact", "flex"):
         model = make_model(cfg).cuda()
-        loss, stats = ttt_forward(
-            model, batch, ttt_steps=3, attention=kind, activation_checkpointing=checkpointing
-        )
+        loss, stats = ttt_forward(model, batch, ttt_steps=3, attention=kind, activation_checkpointing=checkpointing)
         loss.backward()
         results[kind] = (
             loss.detach(),
@@ -169,9 +165,7 @@ def test_flex_matches_exact_forward_and_backward_on_cuda(
         torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-3, atol=1e-4, msg=name)
 
 
-def _gqa_qkv(
-    step: int, seq_len: int, heads: int, kv_heads: int, dtype=torch.float64, head_dim: int = 8, seed=0
-):
+def _gqa_qkv(step: int, seq_len: int, heads: int, kv_heads: int, dtype=torch.float64, head_dim: int = 8, seed=0):
     gen = torch.Generator().manual_seed(seed)
 
     def t(n):

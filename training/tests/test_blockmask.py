@@ -81,9 +81,7 @@ def test_blocks_match_create_block_mask(layout, block):
         assert torch.equal(mine.kv_num_blocks, ref.kv_num_blocks)
         assert torch.equal(mine.full_kv_num_blocks, ref.full_kv_num_blocks)
         # the same blocks in the same (ascending) order, and the same transposes
-        assert torch.equal(
-            _used(mine.kv_num_blocks, mine.kv_indices), _used(ref.kv_num_blocks, ref.kv_indices)
-        )
+        assert torch.equal(_used(mine.kv_num_blocks, mine.kv_indices), _used(ref.kv_num_blocks, ref.kv_indices))
         assert torch.equal(
             _used(mine.full_kv_num_blocks, mine.full_kv_indices),
             _used(ref.full_kv_num_blocks, ref.full_kv_indices),

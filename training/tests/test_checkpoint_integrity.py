@@ -64,9 +64,17 @@ def test_marker_is_a_manifest_of_every_file(tmp_path):
         (lambda p: (p / ckpt.MARKER).write_text('{"step": 3, "files": {}}'), ["marker says step 3"]),
         (lambda p: (p / ckpt.MARKER).write_text('{"step": 7, "files": {}}'), ["manifest lacks model.safetensors"]),
     ],
-    ids=["truncated", "zeroed-weights", "zeroed-optimizer", "missing-file", "zeroed-marker", "empty-marker",
-         "wrong-step", "empty-manifest"],
-)  # fmt: skip
+    ids=[
+        "truncated",
+        "zeroed-weights",
+        "zeroed-optimizer",
+        "missing-file",
+        "zeroed-marker",
+        "empty-marker",
+        "wrong-step",
+        "empty-manifest",
+    ],
+)
 def test_verify_names_what_is_wrong(tmp_path, damage, words):
     path = _save(tmp_path, 7)
     damage(path)
@@ -160,9 +168,7 @@ def test_disk_full_is_recognised_through_torch_save_and_safetensors(tmp_path):
     with pytest.raises(Exception) as info:
         torch.save({"a": torch.zeros(1000)}, FullFile())
     assert ckpt.is_disk_full(info.value)  # torch keeps the OSError as the context of its RuntimeError
-    assert ckpt.is_disk_full(
-        RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
-    )
+    assert ckpt.is_disk_full(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
     assert ckpt.is_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
     assert not ckpt.is_disk_full(OSError(errno.EIO, "Input/output error"))
 

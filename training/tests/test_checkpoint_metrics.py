@@ -39,8 +39,13 @@ def test_checkpoint_is_complete_and_old_ones_are_pruned(tmp_path):
     newest = ckpt.newest_valid(tmp_path)
     assert newest.name == "step_00000040"
     assert sorted(p.name for p in newest.iterdir()) == [
-        "COMPLETE", "config.json", "model.safetensors", "optimizer.pt", "rng_rank0.pt", "trainer_state.json",
-    ]  # fmt: skip
+        "COMPLETE",
+        "config.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "rng_rank0.pt",
+        "trainer_state.json",
+    ]
     assert ckpt.load_model_state(newest)["weight"].eq(40).all()
     assert ckpt.read_state(newest).step == 40
 
@@ -99,12 +104,21 @@ def test_stats_accumulate_and_summarize():
 def test_console_line_is_dense_and_has_units():
     line = console_line(
         {
-            "step": 120, "max_steps": 1000, "epoch": 0, "loss_per_step": [1.5, 2.0], "full_acc": [0.6, 0.3],
-            "full_acc_true": [0.58, 0.29], "tokens_per_s": 24000.0, "tokens_per_s_per_rank": 12000.0,
-            "step_time_s": 0.25, "time_split": {"fetch": 0.01, "fwd": 0.09, "bwd": 0.14, "opt": 0.01},
-            "peak_mem_gb": 1.5, "mem_kind": "rss", "eta_s": 220.0,
+            "step": 120,
+            "max_steps": 1000,
+            "epoch": 0,
+            "loss_per_step": [1.5, 2.0],
+            "full_acc": [0.6, 0.3],
+            "full_acc_true": [0.58, 0.29],
+            "tokens_per_s": 24000.0,
+            "tokens_per_s_per_rank": 12000.0,
+            "step_time_s": 0.25,
+            "time_split": {"fetch": 0.01, "fwd": 0.09, "bwd": 0.14, "opt": 0.01},
+            "peak_mem_gb": 1.5,
+            "mem_kind": "rss",
+            "eta_s": 220.0,
         }
-    )  # fmt: skip
+    )
     assert "step 120/1000" in line and "24,000 tok/s" in line and "250 ms/step" in line
     assert "fwd 36%" in line and "mem 1.50 GB rss" in line and "eta 3m40s" in line
 
@@ -151,9 +165,11 @@ def test_standin_device_shows_in_fd_and_maps(tmp_path):
     for d in devices:
         d.write_bytes(b"")  # empty, as a freshly created stand-in
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "3", *map(str, devices)], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", HOLDER, "3", *map(str, devices)],
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ckpt.Path(__file__).resolve().parents[1])},
-    )  # fmt: skip
+    )
     try:
         assert proc.stdout.readline().strip() == str(devices[1])  # rank 3 % 2 devices
         fds = [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")]
@@ -176,9 +192,11 @@ def test_standin_character_node_is_held_with_o_path(tmp_path):
     node = tmp_path / "nvidia0"
     os.mknod(node, 0o600 | 0o020000, os.makedev(195, 0))  # S_IFCHR: no driver behind it, open() gives ENXIO
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "0", str(node)], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", HOLDER, "0", str(node)],
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ckpt.Path(__file__).resolve().parents[1])},
-    )  # fmt: skip
+    )
     try:
         assert proc.stdout.readline().strip() == str(node)
         fds = [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")]

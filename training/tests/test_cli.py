@@ -84,7 +84,12 @@ def test_help_through_python_m_exits_0():
     for argv in (["train", "--help"], ["--help"], ["synth", "-h"]):
         run = subprocess.run(
             [sys.executable, "-m", "eagle3", *argv],
-            cwd=TRAINING_ROOT, env=trainer_env(), capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
+            cwd=TRAINING_ROOT,
+            env=trainer_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert run.returncode == 0, run.stderr
         assert "usage:" in run.stdout and "unknown config key" not in run.stderr

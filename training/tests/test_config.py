@@ -82,9 +82,7 @@ def test_every_key_is_declared_with_help_and_a_type():
     assert config.CHOICES["device"] == ("auto", "cpu", "cuda")
 
 
-@pytest.mark.parametrize(
-    "name", [n for n, s in config.SPECS.items() if s.bound and s.bound is not config.REQUIRED]
-)
+@pytest.mark.parametrize("name", [n for n, s in config.SPECS.items() if s.bound and s.bound is not config.REQUIRED])
 def test_each_bound_is_enforced_with_the_key_the_value_and_the_bound(tmp_path, name):
     spec = config.SPECS[name]
     bad = {

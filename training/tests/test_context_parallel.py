@@ -155,11 +155,23 @@ def test_read_row_reads_a_ranks_share_byte_for_byte(tmp_path, dtype):
     h, lengths = 16, [40, 25, 9, 50]
     writer = DatasetWriter(tmp_path, h, dtype)
     for n in lengths:
-        writer.add(torch.randint(0, 64, (n,), generator=gen), torch.rand(n, generator=gen) < 0.6,
-                   torch.randn(n, 3 * h, generator=gen), torch.randn(n, h, generator=gen))  # fmt: skip
+        writer.add(
+            torch.randint(0, 64, (n,), generator=gen),
+            torch.rand(n, generator=gen) < 0.6,
+            torch.randn(n, 3 * h, generator=gen),
+            torch.randn(n, h, generator=gen),
+        )
     d2t, t2d = build_vocab_mapping(torch.ones(64), 32)
-    writer.finish(target_vocab_size=64, draft_vocab_size=32, aux_layer_ids=(1, 2, 3), t2d=t2d, d2t=d2t,
-                  embed=torch.randn(64, h), final_norm=torch.ones(h), lm_head=torch.randn(64, h))  # fmt: skip
+    writer.finish(
+        target_vocab_size=64,
+        draft_vocab_size=32,
+        aux_layer_ids=(1, 2, 3),
+        t2d=t2d,
+        d2t=d2t,
+        embed=torch.randn(64, h),
+        final_norm=torch.ones(h),
+        lm_head=torch.randn(64, h),
+    )
     reader = DatasetReader(tmp_path)
     whole = reader.read_row([0, 1, 2, 3], 256)  # 124 tokens, then padding
     for index in range(4):

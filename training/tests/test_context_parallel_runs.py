@@ -32,10 +32,23 @@ RUN_TIMEOUT = 600
 
 def config(tmp: Path, data: Path, run: Path, **values) -> Path:
     base = dict(
-        data_dir=str(data), run_dir=str(run), max_seq_len=512, ttt_steps=3, lr=3e-3, warmup_steps=2,
-        log_every=1, val_every=0, checkpoint_every=KEPT, keep_checkpoints=5, num_threads=1, max_steps=STEPS,
-        num_heads=4, num_kv_heads=2, attention="exact", activation_checkpointing="selective",
-    )  # fmt: skip
+        data_dir=str(data),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=3,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        val_every=0,
+        checkpoint_every=KEPT,
+        keep_checkpoints=5,
+        num_threads=1,
+        max_steps=STEPS,
+        num_heads=4,
+        num_kv_heads=2,
+        attention="exact",
+        activation_checkpointing="selective",
+    )
     return write_config(tmp / f"{run.name}.yaml", **{**base, **values})
 
 
@@ -48,13 +61,25 @@ def single(tmp: Path, cfg: Path) -> tuple[int, str]:
 def two_ranks(tmp: Path, cfg: Path) -> tuple[int, str]:
     log_path = tmp / f"{cfg.stem}.log"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous_port()}", "--local-addr=127.0.0.1",
-        "--max-restarts=0", "-m", "eagle3", "train", "--config", str(cfg),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{rendezvous_port()}",
+        "--local-addr=127.0.0.1",
+        "--max-restarts=0",
+        "-m",
+        "eagle3",
+        "train",
+        "--config",
+        str(cfg),
+    ]
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(cmd, cwd=TRAINING_ROOT, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=TRAINING_ROOT, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         rc = proc.wait(timeout=RUN_TIMEOUT)
     finally:

@@ -32,10 +32,21 @@ def trained(tmp_path_factory) -> Path:
     data = synth_dataset(base)
     run = base / "run"
     cfg = write_config(
-        base / "train.yaml", data_dir=str(data), run_dir=str(run), max_seq_len=512, ttt_steps=2, max_steps=4,
-        warmup_steps=1, log_every=2, val_every=4, val_max_batches=1, checkpoint_every=2, num_threads=1,
-        telemetry_every_s=0, tensorboard=False,
-    )  # fmt: skip
+        base / "train.yaml",
+        data_dir=str(data),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=2,
+        max_steps=4,
+        warmup_steps=1,
+        log_every=2,
+        val_every=4,
+        val_max_batches=1,
+        checkpoint_every=2,
+        num_threads=1,
+        telemetry_every_s=0,
+        tensorboard=False,
+    )
     assert run_trainer(["train", "--config", str(cfg)], base / "train.txt", timeout=300) == 0
     assert [s for s, _ in ckpt.list_valid(run)] == [2, 4]
     return run
@@ -112,8 +123,16 @@ def test_a_damaged_checkpoint_named_explicitly_is_neither_exported_nor_evaluated
     assert not (tmp_path / "out" / "model.safetensors").exists()
     # evaluate checks the target's folder (config, tokenizer), then verifies the drafter before it loads the target:
     # the refusal comes before any decoding, and nothing is recorded
-    args = ["evaluate", str(run), "--target", str(cached(log=lambda *a, **k: None)), "--data", str(tmp_path / "none.jsonl"),
-            "--checkpoint", str(named)]  # fmt: skip
+    args = [
+        "evaluate",
+        str(run),
+        "--target",
+        str(cached(log=lambda *a, **k: None)),
+        "--data",
+        str(tmp_path / "none.jsonl"),
+        "--checkpoint",
+        str(named),
+    ]
     code = run_trainer(args, tmp_path / "evaluate.txt")
     log = (tmp_path / "evaluate.txt").read_text()
     assert code == 2, log
@@ -150,10 +169,18 @@ def test_init_from_or_evaluate_of_a_damaged_export_is_refused(trained, tmp_path)
     with pytest.raises(ConfigError, match=damage.replace("(", r"\(")):
         load_drafter(out)
     cfg = write_config(
-        tmp_path / "train.yaml", data_dir=_data_dir(trained), run_dir=str(tmp_path / "run2"), max_seq_len=512,
-        ttt_steps=2, max_steps=1, warmup_steps=1, num_threads=1, telemetry_every_s=0, tensorboard=False,
+        tmp_path / "train.yaml",
+        data_dir=_data_dir(trained),
+        run_dir=str(tmp_path / "run2"),
+        max_seq_len=512,
+        ttt_steps=2,
+        max_steps=1,
+        warmup_steps=1,
+        num_threads=1,
+        telemetry_every_s=0,
+        tensorboard=False,
         init_from=str(out),
-    )  # fmt: skip
+    )
     code = run_trainer(["train", "--config", str(cfg)], tmp_path / "train.txt")
     log = (tmp_path / "train.txt").read_text()
     assert code == 2, log

@@ -132,9 +132,7 @@ def test_import_from_speculators_layout(dataset, tmp_path):
             str(src / "hidden_states" / f"hs_{i}.safetensors"),
         )
         masks.append(
-            json.dumps(
-                {"index": i, "input_ids": s["input_ids"].tolist(), "loss_mask": s["loss_mask"].int().tolist()}
-            )
+            json.dumps({"index": i, "input_ids": s["input_ids"].tolist(), "loss_mask": s["loss_mask"].int().tolist()})
         )
     (src / "loss_masks.jsonl").write_text("\n".join(masks) + "\n")
     target = reader.target_weights()
@@ -192,10 +190,14 @@ def test_8bit_storage_round_trips_through_sample_and_read_row_and_is_half_the_by
     gen = torch.Generator().manual_seed(0)
     h, lengths = 32, [40, 25]
     samples = [
-        (torch.randint(0, 64, (n,), generator=gen), torch.ones(n), torch.randn(n, 3 * h, generator=gen) * 3,
-         torch.randn(n, h, generator=gen))
+        (
+            torch.randint(0, 64, (n,), generator=gen),
+            torch.ones(n),
+            torch.randn(n, 3 * h, generator=gen) * 3,
+            torch.randn(n, h, generator=gen),
+        )
         for n in lengths
-    ]  # fmt: skip
+    ]
     sizes = {}
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         root = tmp_path / str(dtype)
@@ -203,8 +205,16 @@ def test_8bit_storage_round_trips_through_sample_and_read_row_and_is_half_the_by
         for sample in samples:
             writer.add(*sample)
         d2t, t2d = build_vocab_mapping(torch.ones(64), 32)
-        writer.finish(target_vocab_size=64, draft_vocab_size=32, aux_layer_ids=(1, 2, 3), t2d=t2d, d2t=d2t,
-                      embed=torch.randn(64, h), final_norm=torch.ones(h), lm_head=torch.randn(64, h))  # fmt: skip
+        writer.finish(
+            target_vocab_size=64,
+            draft_vocab_size=32,
+            aux_layer_ids=(1, 2, 3),
+            t2d=t2d,
+            d2t=d2t,
+            embed=torch.randn(64, h),
+            final_norm=torch.ones(h),
+            lm_head=torch.randn(64, h),
+        )
         sizes[dtype] = sum(p.stat().st_size for p in (root / "shards").iterdir())
     reader = DatasetReader(tmp_path / str(torch.float8_e4m3fn))
     reader.validate()
@@ -233,8 +243,16 @@ def test_an_8bit_shard_without_its_scales_is_refused_by_name(tmp_path):
     writer = DatasetWriter(tmp_path, 8, torch.float8_e4m3fn)
     writer.add(torch.arange(4), torch.ones(4), torch.randn(4, 24), torch.randn(4, 8))
     d2t, t2d = build_vocab_mapping(torch.ones(16), 8)
-    writer.finish(target_vocab_size=16, draft_vocab_size=8, aux_layer_ids=(1, 2, 3), t2d=t2d, d2t=d2t,
-                  embed=torch.randn(16, 8), final_norm=torch.ones(8), lm_head=torch.randn(16, 8))  # fmt: skip
+    writer.finish(
+        target_vocab_size=16,
+        draft_vocab_size=8,
+        aux_layer_ids=(1, 2, 3),
+        t2d=t2d,
+        d2t=d2t,
+        embed=torch.randn(16, 8),
+        final_norm=torch.ones(8),
+        lm_head=torch.randn(16, 8),
+    )
     shard = next((tmp_path / "shards").iterdir())
     tensors = load_file(shard)
     del tensors[next(k for k in tensors if k.endswith("aux_hidden_scale"))]

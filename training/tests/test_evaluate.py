@@ -37,9 +37,7 @@ def tiny_target():
 
 
 def test_speculative_decoding_gives_the_targets_greedy_tokens_whatever_is_proposed(tiny_target):
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_target, local_files_only=True, dtype=torch.float32
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, local_files_only=True, dtype=torch.float32).eval()
     runner = TargetRunner(model, (2, 4, 5))
     prompt = [1, 4, 300, 301, 302, 303, 2, 5]
     plain, _ = greedy(runner, prompt, 20)
@@ -57,9 +55,14 @@ def test_a_trained_drafter_beats_the_most_frequent_token_and_decodes_exactly(tin
     run_dir = Path(shutil.copytree(tiny_drafter.run_dir, tmp_path / "run"))  # the shared run stays as it was
     lines = []
     result = evaluate(
-        tiny_drafter.target, run_dir, tiny_drafter.held, k=3, max_new=32, prompts=4,
+        tiny_drafter.target,
+        run_dir,
+        tiny_drafter.held,
+        k=3,
+        max_new=32,
+        prompts=4,
         log=lambda line, **kw: lines.append((line, kw.get("file"))),
-    )  # fmt: skip
+    )
     assert result["exact"]
     # a line per prompt on stderr as it goes, then the result line on stdout (the role prints it)
     assert [f is sys.stderr for _, f in lines] == [True] * 4 + [False]

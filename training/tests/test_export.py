@@ -97,9 +97,7 @@ def test_embedding_can_be_left_to_vllm(tmp_path, make_model):
 
 def test_trainer_checkpoint_state_without_lm_head_is_refused_with_the_fix(tmp_path, make_model, tiny_config):
     model = make_model()
-    trainable = {
-        n: p for n, p in model.state_dict().items() if n not in ("lm_head.weight", "embed_tokens.weight")
-    }
+    trainable = {n: p for n, p in model.state_dict().items() if n not in ("lm_head.weight", "embed_tokens.weight")}
     with pytest.raises(DataError, match=r"lack \['lm_head.weight'\].*load_target_weights"):
         export_speculators(trainable, tmp_path, cfg=tiny_config(), **VERIFIER)
     with pytest.raises(ConfigError, match="without cfg"):
@@ -145,9 +143,7 @@ def test_grouped_query_drafter_round_trips_with_its_kv_heads(tmp_path, make_mode
         {"fc_norm": True, "norm_output": True, "norm_before_residual": True, "num_kv_heads": 1},
     ],
 )
-def test_each_norm_option_round_trips_with_identical_logits(
-    tmp_path, make_model, make_row, tiny_config, norms
-):
+def test_each_norm_option_round_trips_with_identical_logits(tmp_path, make_model, make_row, tiny_config, norms):
     cfg = tiny_config(**norms)
     model = _trained_a_little(make_model, make_row, cfg)
     export_speculators(model, tmp_path / "out", dtype=torch.float32, speculative_tokens=3, **VERIFIER)
@@ -179,10 +175,7 @@ def test_export_writes_a_complete_config_and_refuses_an_unknown_verifier(tmp_pat
         "name_or_path": "org/target",
         "architectures": ["LlamaForCausalLM"],
     }
-    assert (
-        config["torch_dtype"] == "bfloat16"
-        and config["transformer_layer_config"]["torch_dtype"] == "bfloat16"
-    )
+    assert config["torch_dtype"] == "bfloat16" and config["transformer_layer_config"]["torch_dtype"] == "bfloat16"
     assert config["draft_vocab_size"] == 512 and config["transformer_layer_config"]["vocab_size"] == 1024
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "target_hidden_size"):
         assert key in config
@@ -213,15 +206,11 @@ def test_export_writes_a_complete_config_and_refuses_an_unknown_verifier(tmp_pat
             "transformer_layer_config.num_hidden_layers=2",
         ),
         (
-            lambda c: c["transformer_layer_config"].update(
-                rope_scaling={"rope_type": "llama3", "factor": 8.0}
-            ),
+            lambda c: c["transformer_layer_config"].update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
             "transformer_layer_config.rope_scaling: rope_type 'llama3' needs low_freq_factor",
         ),
         (
-            lambda c: c["transformer_layer_config"].update(
-                rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}
-            ),
+            lambda c: c["transformer_layer_config"].update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
             "rope_parameters: rope_type 'yarn' needs factor",
         ),
         (
@@ -233,9 +222,7 @@ def test_export_writes_a_complete_config_and_refuses_an_unknown_verifier(tmp_pat
             "no rope_theta",
         ),
         (
-            lambda c: c["transformer_layer_config"].update(
-                rope_scaling={"rope_type": "dynamic", "factor": 2.0}
-            ),
+            lambda c: c["transformer_layer_config"].update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
             "rope_scaling.rope_type='dynamic' is not supported",
         ),
         (
@@ -275,15 +262,11 @@ def test_import_reads_rope_theta_in_either_layout(tmp_path, make_model):
     assert _load_with(tmp_path, config).cfg.rope_theta == 250000.0
     # what speculators and HF also write, none of which changes the drafter's logits
     config.update(embed_requires_grad=False, transformers_version="4.56.0", speculators_version="0.3.0")
-    layer.update(
-        use_cache=True, initializer_range=0.02, attention_dropout=0.0, bos_token_id=1, eos_token_id=2
-    )
+    layer.update(use_cache=True, initializer_range=0.02, attention_dropout=0.0, bos_token_id=1, eos_token_id=2)
     assert _load_with(tmp_path, config).cfg.hidden_size == 64
 
 
-def test_init_from_an_export_gives_its_logits_before_the_first_step(
-    tmp_path, make_model, make_row, tiny_config
-):
+def test_init_from_an_export_gives_its_logits_before_the_first_step(tmp_path, make_model, make_row, tiny_config):
     from eagle3.export import init_from_export
 
     cfg = tiny_config(num_kv_heads=2, fc_norm=True)
@@ -299,9 +282,7 @@ def test_init_from_an_export_gives_its_logits_before_the_first_step(
     copied = init_from_export(fresh, tmp_path / "out")
     assert "fc_norm.0.weight" in copied and "embed_tokens.weight" not in copied
     torch.testing.assert_close(ttt_logits(fresh, batch, 3), ttt_logits(trained, batch, 3), rtol=0, atol=0)
-    with pytest.raises(
-        ConfigError, match="the export is another drafter: num_kv_heads=2 there, 4 in this run"
-    ):
+    with pytest.raises(ConfigError, match="the export is another drafter: num_kv_heads=2 there, 4 in this run"):
         init_from_export(make_model(tiny_config(fc_norm=True)), tmp_path / "out")
     with pytest.raises(DataError, match="d2t differs from this run's dataset vocab mapping"):
         init_from_export(make_model(cfg, seed=1), tmp_path / "out")

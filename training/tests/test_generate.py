@@ -47,20 +47,31 @@ def conversations(path: Path, count: int = 12) -> Path:
         for p in files[:count]:
             lines = p.read_text(errors="replace").splitlines()
             head, tail = "\n".join(lines[:10]), "\n".join(lines[10:22])
-            f.write(json.dumps({"messages": [
-                {"role": "system", "content": "You write Python."},
-                {"role": "user", "content": "Continue:\n" + head},
-                {"role": "assistant", "content": tail},
-            ]}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "system", "content": "You write Python."},
+                            {"role": "user", "content": "Continue:\n" + head},
+                            {"role": "assistant", "content": tail},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def test_the_loss_mask_covers_exactly_the_assistant_turns(tiny_target):
     tokenizer = AutoTokenizer.from_pretrained(tiny_target, local_files_only=True)
-    record = {"messages": [
-        {"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "    return x + 1"},
-        {"role": "user", "content": "and g?"}, {"role": "assistant", "content": "def g(y):\n    return y"},
-    ]}  # fmt: skip
+    record = {
+        "messages": [
+            {"role": "user", "content": "def f(x):"},
+            {"role": "assistant", "content": "    return x + 1"},
+            {"role": "user", "content": "and g?"},
+            {"role": "assistant", "content": "def g(y):\n    return y"},
+        ]
+    }
     sample = tokenize(record, tokenizer, 4096)
     supervised = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
     assert tokenizer.decode(supervised) == "    return x + 1<|end|>def g(y):\n    return y<|end|>"
@@ -109,18 +120,13 @@ def test_a_target_folder_without_a_tokenizer_is_refused_in_one_line_naming_it(ti
     data = conversations(tmp_path / "chats.jsonl", 2)
     assert main(["generate", str(tmp_path / "out"), "--target", str(target), "--data", str(data)]) == 2
     err = capsys.readouterr().err
-    assert (
-        err.startswith(f"generate: {target} has no tokenizer (none of tokenizer.json, ")
-        and err.count("\n") == 1
-    )
+    assert err.startswith(f"generate: {target} has no tokenizer (none of tokenizer.json, ") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 
 def test_sharegpt_and_plain_text_read_as_conversations_and_text(tmp_path):
     path = tmp_path / "sharegpt.jsonl"
-    path.write_text(
-        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
-    )
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}))
     assert read_records(path) == [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     ]
@@ -131,8 +137,16 @@ def test_sharegpt_and_plain_text_read_as_conversations_and_text(tmp_path):
 
 def test_hidden_states_are_the_targets_and_its_config_reaches_the_drafter(tiny_target, tmp_path):
     data = conversations(tmp_path / "chat.jsonl", count=3)
-    index_path = generate(tiny_target, data, tmp_path / "ds", max_len=256, draft_vocab=256, dtype="float32",
-                          shard_samples=2, log=lambda *a, **k: None)  # fmt: skip
+    index_path = generate(
+        tiny_target,
+        data,
+        tmp_path / "ds",
+        max_len=256,
+        draft_vocab=256,
+        dtype="float32",
+        shard_samples=2,
+        log=lambda *a, **k: None,
+    )
     index = read_index(index_path.parent)
     assert index.num_samples == 3 and index.aux_layer_ids == (2, 4, 5) and index.draft_vocab_size == 256
     target = index.meta["target_config"]
@@ -141,9 +155,7 @@ def test_hidden_states_are_the_targets_and_its_config_reaches_the_drafter(tiny_t
     assert (cfg.rms_norm_eps, cfg.rope_theta) == (1e-5, target["rope_theta"])
     # The stored states are what transformers reports: the inputs of layers 2, 4, 5 are hidden_states[2], [4], [5],
     # and the last one before the final norm gives the target's logits through norm and head.
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_target, local_files_only=True, dtype=torch.float32
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, local_files_only=True, dtype=torch.float32).eval()
     reader = DatasetReader(index.root)
     sample = reader.sample(1)
     with torch.no_grad():
@@ -156,8 +168,14 @@ def test_hidden_states_are_the_targets_and_its_config_reaches_the_drafter(tiny_t
 
 def _run(args, env_extra=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "eagle3", "generate", *args], cwd=TRAINING, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3", "generate", *args],
+        cwd=TRAINING,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -197,9 +215,7 @@ def test_a_folder_of_another_generation_is_refused(tiny_target, tmp_path):
     data = conversations(tmp_path / "chat.jsonl", count=2)
     quiet = {"log": lambda *a, **k: None, "shard_samples": 1}
     (tmp_path / "ds").mkdir()
-    (tmp_path / "ds" / "generate_plan.json").write_text(
-        json.dumps({"digest": "other", "settings": {"max_len": 9}})
-    )
+    (tmp_path / "ds" / "generate_plan.json").write_text(json.dumps({"digest": "other", "settings": {"max_len": 9}}))
     with pytest.raises(ConfigError, match="holds shards of another generation"):
         generate(tiny_target, data, tmp_path / "ds", max_len=256, **quiet)
 
@@ -208,24 +224,22 @@ def test_a_folder_of_another_generation_is_refused(tiny_target, tmp_path):
 def test_regenerate_replaces_the_responses_by_the_targets_own_and_resumes(tiny_target, tmp_path):
     data = conversations(tmp_path / "chat.jsonl", count=3)
     quiet = {"log": lambda *a, **k: None, "max_len": 512, "shard_samples": 2, "regenerate_max_new": 16}
-    index = read_index(
-        generate(tiny_target, data, tmp_path / "ds", regenerate_responses=True, **quiet).parent
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_target, local_files_only=True, dtype=torch.float32
-    ).eval()
+    index = read_index(generate(tiny_target, data, tmp_path / "ds", regenerate_responses=True, **quiet).parent)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, local_files_only=True, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_target, local_files_only=True)
     reader = DatasetReader(index.root)
-    regenerated = [
-        json.loads(line) for line in (tmp_path / "ds" / "regenerated.jsonl").read_text().splitlines()
-    ]
+    regenerated = [json.loads(line) for line in (tmp_path / "ds" / "regenerated.jsonl").read_text().splitlines()]
     for i, record in enumerate(read_records(data)):
-        prompt = tokenizer.apply_chat_template(
-            record["messages"][:2], add_generation_prompt=True, return_dict=True
-        )
+        prompt = tokenizer.apply_chat_template(record["messages"][:2], add_generation_prompt=True, return_dict=True)
         ids = torch.tensor([list(prompt["input_ids"])])
-        greedy = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        greedy = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         said = tokenizer.decode(greedy[0, ids.shape[1] :], skip_special_tokens=True)
         assert regenerated[i]["messages"][2]["content"] == said
         assert regenerated[i]["messages"][:2] == record["messages"][:2]  # the prompts are kept

@@ -42,8 +42,9 @@ def tmpfs(where: Path, size: int):
     where.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs (a real full or read-only folder) needs root")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                             capture_output=True, text=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -66,8 +67,9 @@ def datagen_job():
         "ansible.module_utils": types.ModuleType("ansible.module_utils"),
         "ansible.module_utils.basic": types.SimpleNamespace(AnsibleModule=object),
     }
-    spec = importlib.util.spec_from_file_location("ansible.module_utils.train_status",
-                                                  ROOT / "module_utils" / "train_status.py")  # fmt: skip
+    spec = importlib.util.spec_from_file_location(
+        "ansible.module_utils.train_status", ROOT / "module_utils" / "train_status.py"
+    )
     stand_ins["ansible.module_utils.train_status"] = importlib.util.module_from_spec(spec)
     saved = {name: sys.modules.get(name) for name in stand_ins}
     sys.modules.update(stand_ins)
@@ -102,9 +104,7 @@ def pages(n: int) -> int:
 
 
 @pytest.mark.slow
-def test_a_full_output_folder_stops_generate_once_naming_it_and_keeps_the_complete_shards(
-    tiny_target, tmp_path
-):
+def test_a_full_output_folder_stops_generate_once_naming_it_and_keeps_the_complete_shards(tiny_target, tmp_path):
     data = conversations(tmp_path / "chat.jsonl", count=7)
     args = ["--target", str(tiny_target), "--data", str(data), "--max-len", "256", "--shard-samples", "2"]
     whole = _run([str(tmp_path / "whole"), *args])
@@ -132,12 +132,16 @@ def test_a_full_output_folder_stops_generate_once_naming_it_and_keeps_the_comple
         assert not (out / "index.json").exists()
 
         job = datagen_job()
-        result = job.describe("eagle3-datagen.service", failed_unit(), str(out),
-                              (full.stdout + full.stderr).splitlines(), job.read_samples(str(out)))  # fmt: skip
+        result = job.describe(
+            "eagle3-datagen.service",
+            failed_unit(),
+            str(out),
+            (full.stdout + full.stderr).splitlines(),
+            job.read_samples(str(out)),
+        )
         assert result["fault"] == {"kind": "disk_full", "errno": "ENOSPC", "path": str(out)}
         assert result["summary"] == (
-            "eagle3-datagen.service: failed, stopped by its output folder, not restarted (exit status 5): "
-            + line
+            "eagle3-datagen.service: failed, stopped by its output folder, not restarted (exit status 5): " + line
         )
 
         remount(small, "size=16m")  # space freed: the next run resumes after the complete shards
@@ -171,8 +175,9 @@ def test_a_read_only_output_folder_stops_generate_naming_it(tiny_target, tmp_pat
             "choose another folder (eagle3_datagen_out), then run datagen.yml (or this command) again; the 2 "
             "complete shards are kept"
         )
-        result = datagen_job().describe("eagle3-datagen.service", failed_unit(), str(out),
-                                        stopped.stderr.splitlines(), None)  # fmt: skip
+        result = datagen_job().describe(
+            "eagle3-datagen.service", failed_unit(), str(out), stopped.stderr.splitlines(), None
+        )
         assert result["fault"] == {"kind": "read_only", "errno": "EROFS", "path": str(out)}
 
 

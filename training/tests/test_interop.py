@@ -189,19 +189,25 @@ def test_speculators_loads_an_export_of_ours_and_gives_our_logits(tmp_path, make
     by a local folder holding its config.json, as a served verifier would be), with the same logits."""
     rope, options = OPTIONS[case]
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    cfg = tiny_config(
-        rope_theta=rope["rope_theta"], rms_norm_eps=1e-5, rope_scaling=scaling, num_kv_heads=2, **options
-    )
+    cfg = tiny_config(rope_theta=rope["rope_theta"], rms_norm_eps=1e-5, rope_scaling=scaling, num_kv_heads=2, **options)
     ours = make_model(cfg)
     verifier = tmp_path / "verifier"
     LlamaForCausalLM(  # speculators reads the verifier's config and its lm_head and final norm
-        LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                    vocab_size=cfg.target_vocab_size)
-    ).save_pretrained(verifier)  # fmt: skip
+        LlamaConfig(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=64,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            vocab_size=cfg.target_vocab_size,
+        )
+    ).save_pretrained(verifier)
     export_speculators(
-        ours, tmp_path / "export", verifier_name_or_path=str(verifier), verifier_architectures=["LlamaForCausalLM"],
+        ours,
+        tmp_path / "export",
+        verifier_name_or_path=str(verifier),
+        verifier_architectures=["LlamaForCausalLM"],
         dtype=torch.float32,
-    )  # fmt: skip
+    )
     config = Eagle3SpeculatorConfig.from_pretrained(tmp_path / "export")
     config.transformer_layer_config._attn_implementation = "eager"  # chosen at construction
     theirs = Eagle3DraftModel.from_pretrained(tmp_path / "export", config=config).eval()

@@ -108,9 +108,7 @@ def test_the_ttt_loss_mixes_linearly_and_logs_the_expected_acceptance(make_model
     losses, accs = {}, {}
     for lk in (0.0, 0.5, 1.0):
         model = make_model(cfg, dtype=torch.float64)
-        loss, stats = ttt_forward(
-            model, batch, ttt_steps=3, attention="exact", loss_chunk_size=40, lk_weight=lk
-        )
+        loss, stats = ttt_forward(model, batch, ttt_steps=3, attention="exact", loss_chunk_size=40, lk_weight=lk)
         losses[lk], accs[lk] = float(loss), _expected_acc(stats)
     assert losses[0.5] == pytest.approx((losses[0.0] + losses[1.0]) / 2, rel=1e-12)
     assert accs[0.0] == accs[1.0] and len(accs[0.0]) == 3 and all(0 < v < 1 for v in accs[0.0])

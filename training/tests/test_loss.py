@@ -110,9 +110,7 @@ def _reference_loss(make_model, cfg, batch):
         _, supervised = step_supervision(batch["document_ids"], batch["loss_mask"], step)
         n = supervised.shape[0]
         weight = supervised.float() / supervised.sum().clamp(min=1).float()  # as the trainer: fp32 weights
-        part, _, _ = loss_module.checkpointed_kl(
-            model, hidden[:n], batch["last_hidden"][1 + step :], weight, 40
-        )
+        part, _, _ = loss_module.checkpointed_kl(model, hidden[:n], batch["last_hidden"][1 + step :], weight, 40)
         loss = loss + part
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}

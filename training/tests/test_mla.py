@@ -37,12 +37,20 @@ def shapes():
 
 def hf_attention(shape: MLAShape, interleave: bool):
     config = DeepseekV3Config(
-        hidden_size=HIDDEN, num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_heads,
-        q_lora_rank=shape.q_lora_rank or None, kv_lora_rank=shape.kv_lora_rank,
-        qk_nope_head_dim=shape.qk_nope_head_dim, qk_rope_head_dim=shape.qk_rope_head_dim,
-        v_head_dim=shape.v_head_dim, rope_parameters={**YARN, "rope_theta": THETA}, rope_interleave=interleave,
-        attention_bias=False, rms_norm_eps=1e-6, max_position_embeddings=32 * 4,
-    )  # fmt: skip
+        hidden_size=HIDDEN,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads,
+        q_lora_rank=shape.q_lora_rank or None,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_nope_head_dim=shape.qk_nope_head_dim,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+        v_head_dim=shape.v_head_dim,
+        rope_parameters={**YARN, "rope_theta": THETA},
+        rope_interleave=interleave,
+        attention_bias=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32 * 4,
+    )
     config._attn_implementation = "eager"
     return (
         DeepseekV3Attention(config, layer_idx=0).double().float(),
@@ -63,9 +71,7 @@ def ours_with_the_weights_of(hf, shape: MLAShape, interleave: bool) -> MLAAttent
 
 @pytest.mark.parametrize("shape", shapes())
 @pytest.mark.parametrize("interleave", [True, False])
-def test_the_block_is_transformers_deepseek_v3_attention_with_yarn_past_the_original_context(
-    shape, interleave
-):
+def test_the_block_is_transformers_deepseek_v3_attention_with_yarn_past_the_original_context(shape, interleave):
     hf, rotary, _ = hf_attention(shape, interleave)
     ours = ours_with_the_weights_of(hf, shape, interleave)
     seq = 96
@@ -155,18 +161,21 @@ def test_an_mla_drafter_has_the_weights_vllms_deepseek_eagle3_loads(tiny_config,
     names = {n for n, _ in model.named_parameters()}
     attention = {n.split("self_attn.")[1] for n in names if "self_attn." in n}
     assert attention == {
-        "q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-        "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight",
-    }  # fmt: skip
+        "q_a_proj.weight",
+        "q_a_layernorm.weight",
+        "q_b_proj.weight",
+        "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight",
+        "kv_b_proj.weight",
+        "o_proj.weight",
+    }
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable == model.cfg.trainable_params()  # the planner's count
     assert model.layers[0].self_attn.kv_a_proj_with_mqa.in_features == 2 * 64  # embedding and hidden halves
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_mla_under_activation_checkpointing_gives_the_same_loss_and_gradients(
-    tiny_config, make_model, make_row, mode
-):
+def test_mla_under_activation_checkpointing_gives_the_same_loss_and_gradients(tiny_config, make_model, make_row, mode):
     from eagle3.model import ttt_forward
 
     cfg = tiny_config(**MLA_KEYS, rope_scaling=YARN)
@@ -174,13 +183,9 @@ def test_mla_under_activation_checkpointing_gives_the_same_loss_and_gradients(
     grads = []
     for checkpointing in ("none", mode):
         model = make_model(cfg)
-        loss, _ = ttt_forward(
-            model, row, ttt_steps=3, activation_checkpointing=checkpointing, attention="exact"
-        )
+        loss, _ = ttt_forward(model, row, ttt_steps=3, activation_checkpointing=checkpointing, attention="exact")
         loss.backward()
-        grads.append(
-            (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        )
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (loss0, g0), (loss1, g1) = grads
     assert torch.equal(loss0, loss1) and g0.keys() == g1.keys()
     for name in g0:
@@ -212,9 +217,19 @@ def mla_config(tmp_path, data, **values):
     from pipeline_support import write_config
 
     base = dict(
-        data_dir=str(data), run_dir=str(tmp_path / "run"), max_seq_len=1024, ttt_steps=2, lr=5e-3, warmup_steps=5,
-        log_every=5, val_every=20, checkpoint_every=20, num_threads=1, rope_scaling=YARN, **MLA_KEYS,
-    )  # fmt: skip
+        data_dir=str(data),
+        run_dir=str(tmp_path / "run"),
+        max_seq_len=1024,
+        ttt_steps=2,
+        lr=5e-3,
+        warmup_steps=5,
+        log_every=5,
+        val_every=20,
+        checkpoint_every=20,
+        num_threads=1,
+        rope_scaling=YARN,
+        **MLA_KEYS,
+    )
     return write_config(tmp_path / "train.yaml", **{**base, **values})
 
 
@@ -236,9 +251,9 @@ def test_an_mla_drafter_learns_resumes_and_exports_in_vllms_deepseek_layout(tmp_
     assert [v["step"] for v in val] == [20, 40] and val[1]["loss"] < val[0]["loss"]
     out = tmp_path / "export"
     verifier = ["--verifier", "org/target", "--verifier-arch", "DeepseekV3ForCausalLM"]
-    assert (
-        run_trainer(["export", str(run), str(out), *verifier], tmp_path / "export.txt", timeout=120) == 0
-    ), (tmp_path / "export.txt").read_text()[-2000:]
+    assert run_trainer(["export", str(run), str(out), *verifier], tmp_path / "export.txt", timeout=120) == 0, (
+        tmp_path / "export.txt"
+    ).read_text()[-2000:]
     exported = json.loads((out / "config.json").read_text())
     assert exported["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and exported["kv_lora_rank"] == 16
 
@@ -277,19 +292,13 @@ def test_an_mla_drafter_round_trips_through_vllms_deepseek_layout_with_identical
     from eagle3.export import export_speculators, init_from_export, load_exported
     from eagle3.model import ttt_logits
 
-    cfg = tiny_config(
-        **{**MLA_KEYS, "q_lora_rank": q_lora_rank}, rope_scaling=YARN, fc_norm=True, norm_output=True
-    )
+    cfg = tiny_config(**{**MLA_KEYS, "q_lora_rank": q_lora_rank}, rope_scaling=YARN, fc_norm=True, norm_output=True)
     model, batch = make_model(cfg), make_row(cfg, [40, 30])
     export_speculators(model, tmp_path / "out", dtype=torch.float32, speculative_tokens=3, **MLA_VERIFIER)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (
-        config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v3"
-    )
+    assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v3"
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["num_hidden_layers"]) == (16, 8, 1)
-    assert config["q_lora_rank"] == (
-        q_lora_rank or None
-    )  # DeepseekV3Config: null means queries without low rank
+    assert config["q_lora_rank"] == (q_lora_rank or None)  # DeepseekV3Config: null means queries without low rank
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(cfg.aux_layer_ids)
     assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_interleave"] is True
     loaded = load_exported(tmp_path / "out")
@@ -312,9 +321,7 @@ def test_what_the_deepseek_layout_cannot_hold_is_refused_by_name(tmp_path, tiny_
     from eagle3.export import export_speculators, load_exported
 
     with pytest.raises(ConfigError, match="rope_interleave=false"):
-        export_speculators(
-            make_model(tiny_config(**MLA_KEYS, rope_interleave=False)), tmp_path, **MLA_VERIFIER
-        )
+        export_speculators(make_model(tiny_config(**MLA_KEYS, rope_interleave=False)), tmp_path, **MLA_VERIFIER)
     with pytest.raises(ConfigError, match="norm_before_fc=true"):
         export_speculators(make_model(tiny_config(**MLA_KEYS, norm_before_fc=True)), tmp_path, **MLA_VERIFIER)
     export_speculators(make_model(tiny_config(**MLA_KEYS)), tmp_path, **MLA_VERIFIER)

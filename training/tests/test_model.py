@@ -45,11 +45,7 @@ def test_state_dict_uses_speculators_names_and_shapes(tiny_config):
     assert state["layers.0.self_attn.q_proj.weight"].shape == (48, 128)  # 2H input
     assert state["layers.0.self_attn.o_proj.weight"].shape == (64, 48)
     assert state["lm_head.weight"].shape == (512, 64)
-    assert (
-        state["d2t"].dtype == torch.long
-        and state["t2d"].dtype == torch.bool
-        and state["t2d"].shape == (1024,)
-    )
+    assert state["d2t"].dtype == torch.long and state["t2d"].dtype == torch.bool and state["t2d"].shape == (1024,)
     assert "input_norm.weight" in Eagle3Drafter(tiny_config(norm_before_fc=True)).state_dict()
 
 
@@ -66,9 +62,7 @@ def test_only_the_drafter_body_trains_and_frozen_parts_get_no_gradient(make_mode
     loss, _ = ttt_forward(model, make_row(cfg, [30]), ttt_steps=2)
     loss.backward()
     assert all(p.grad is None for n, p in model.named_parameters() if n in frozen)
-    assert all(
-        p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n not in frozen
-    )
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n not in frozen)
     trainable = make_model(tiny_config(train_lm_head=True))
     assert trainable.lm_head.weight.requires_grad
 
@@ -263,9 +257,7 @@ def test_selective_checkpointing_gives_the_loss_and_gradients_of_none_and_full(
             torch.testing.assert_close(stats[key], stats0[key], rtol=0, atol=0, msg=key)
         assert grads.keys() == grads0.keys()
         for name in grads0:
-            torch.testing.assert_close(
-                grads[name], grads0[name], rtol=1e-10, atol=1e-12, msg=f"{mode} {name}"
-            )
+            torch.testing.assert_close(grads[name], grads0[name], rtol=1e-10, atol=1e-12, msg=f"{mode} {name}")
 
 
 def test_selective_checkpointing_recomputes_no_matmul(make_model, make_row, tiny_config):
@@ -314,9 +306,7 @@ def test_activation_checkpointing_values_are_validated_before_anything_runs():
         assert resolve_options(
             TrainConfig(activation_checkpointing=value), "cpu"
         ).activation_checkpointing == checkpoint_mode(value)
-    with pytest.raises(
-        ConfigError, match=r"activation_checkpointing='sometimes' is not one of false, selective, full"
-    ):
+    with pytest.raises(ConfigError, match=r"activation_checkpointing='sometimes' is not one of false, selective, full"):
         resolve_options(TrainConfig(activation_checkpointing="sometimes"), "cpu")
 
 

@@ -44,10 +44,7 @@ pytestmark = pytest.mark.timeout(1200)
 
 # ----------------------------------------------------------------------------------------------- no processes
 def test_hsdp_needs_fsdp_and_equal_nodes():
-    assert (
-        options.resolve_options(TrainConfig(fsdp=True, shard_layout="hsdp"), "cpu", 8, nodes=2).shard_ranks
-        == 4
-    )
+    assert options.resolve_options(TrainConfig(fsdp=True, shard_layout="hsdp"), "cpu", 8, nodes=2).shard_ranks == 4
     assert options.resolve_options(TrainConfig(fsdp=True), "cpu", 8, nodes=2).shard_ranks == 8
     with pytest.raises(ConfigError, match="shard_layout=hsdp needs fsdp: true"):
         options.resolve_options(TrainConfig(shard_layout="hsdp"), "cpu", 4, nodes=2)
@@ -83,9 +80,7 @@ def test_planner_hsdp_holds_larger_shards_per_gpu(capsys):
 def test_shared_storage_message_names_run_dir_and_nodes():
     assert dist_utils.shared_storage_verdict("/r", {1: True, 2: True}) is None
     one = dist_utils.shared_storage_verdict("/r", {1: True, 2: False})
-    assert one.startswith(
-        "run_dir /r is not shared storage: node 2 does not see the marker written by node 0"
-    )
+    assert one.startswith("run_dir /r is not shared storage: node 2 does not see the marker written by node 0")
     assert "nodes 1, 3 do not see" in dist_utils.shared_storage_verdict("/r", {1: False, 3: False})
 
 
@@ -110,9 +105,18 @@ def start_run(
     where/agent{k}.txt. Agent `private_node` runs in its own mount namespace where `private_run` is mounted
     over `run`: its run_dir is another directory."""
     base = dict(
-        data_dir=str(data), run_dir=str(run), max_seq_len=512, ttt_steps=2, lr=3e-3, warmup_steps=2,
-        log_every=1, val_every=0, checkpoint_every=2, num_threads=1, fsdp=True,
-    )  # fmt: skip
+        data_dir=str(data),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=2,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        val_every=0,
+        checkpoint_every=2,
+        num_threads=1,
+        fsdp=True,
+    )
     cfg = write_config(where / f"train-{uuid.uuid4().hex[:6]}.yaml", **{**base, **values})
     run.mkdir(parents=True, exist_ok=True)
     port, rdzv_id = rendezvous_port(), uuid.uuid4().hex[:8]
@@ -120,19 +124,46 @@ def start_run(
     try:
         for node in range(nodes):
             cmd = [
-                sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-                f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id={rdzv_id}", f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
-                "--local-addr=127.0.0.1", "--max-restarts=0", "-m", "eagle3", "train", "--config", str(cfg),
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--node-rank={node}",
+                f"--nproc-per-node={per_node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id={rdzv_id}",
+                f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}",
+                "--local-addr=127.0.0.1",
+                "--max-restarts=0",
+                "-m",
+                "eagle3",
+                "train",
+                "--config",
+                str(cfg),
+            ]
             if node == private_node:  # unshare execs sh, which execs torchrun: one PID throughout
-                cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                       'mount --bind "$0" "$1" && shift && exec "$@"', str(private_run), str(run), *cmd]  # fmt: skip
+                cmd = [
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    'mount --bind "$0" "$1" && shift && exec "$@"',
+                    str(private_run),
+                    str(run),
+                    *cmd,
+                ]
             log = (where / f"agent{node}.txt").open("ab")
             proc = subprocess.Popen(
-                cmd, cwd=TRAINING_ROOT, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
+                cmd,
+                cwd=TRAINING_ROOT,
+                env=trainer_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
             procs.append(proc)
     except BaseException:
         for proc in procs:
@@ -213,9 +244,7 @@ def test_four_rank_fsdp_checkpoint_resumes_on_two_ranks(one_node, data, tmp_path
     codes, logs = finish(start_run(tmp_path, data, run, nodes=1, per_node=2, max_steps=STEPS + 2), tmp_path)
     assert codes == [0], tails(tmp_path)
     assert "world_size 4 -> 2" in logs
-    assert (
-        "was written with 4 ranks, fsdp full; its full tensors are re-sharded for 2 ranks, fsdp full" in logs
-    )
+    assert "was written with 4 ranks, fsdp full; its full tensors are re-sharded for 2 ranks, fsdp full" in logs
     status = read_status(run)
     assert status["resumed_from_step"] == STEPS and status["step"] == STEPS + 2 and status["world_size"] == 2
     assert sorted(losses(run))[-2:] == [STEPS + 1, STEPS + 2]
@@ -227,8 +256,9 @@ def _private_mounts_work(where: Path) -> bool:
     try:
         done = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"mount --bind {where} {probe}"],
-            capture_output=True, timeout=30,
-        )  # fmt: skip
+            capture_output=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -240,9 +270,7 @@ def test_a_node_that_does_not_see_run_dir_stops_every_rank_with_exit_2(data, tmp
         pytest.skip("needs root and unshare --mount (another directory over run_dir on one node)")
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    procs = start_run(
-        tmp_path, data, run, nodes=2, per_node=1, private_node=1, private_run=elsewhere, max_steps=STEPS
-    )
+    procs = start_run(tmp_path, data, run, nodes=2, per_node=1, private_node=1, private_run=elsewhere, max_steps=STEPS)
     codes, logs = finish(procs, tmp_path)
     assert codes[0] != 0 and codes[1] != 0, tails(tmp_path)
     message = f"run_dir {run} is not shared storage: node "

@@ -27,10 +27,20 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("obs")
     data = synth_dataset(tmp_path_factory.getbasetemp())
     cfg = write_config(
-        base / "train.yaml", data_dir=str(data), run_dir=str(base / "run"), max_seq_len=512, ttt_steps=2,
-        max_steps=6, warmup_steps=1, log_every=1, val_every=3, val_max_batches=2, checkpoint_every=1000,
-        num_threads=1, prometheus_textfile_dir=str(base / "textfile"),
-    )  # fmt: skip
+        base / "train.yaml",
+        data_dir=str(data),
+        run_dir=str(base / "run"),
+        max_seq_len=512,
+        ttt_steps=2,
+        max_steps=6,
+        warmup_steps=1,
+        log_every=1,
+        val_every=3,
+        val_max_batches=2,
+        checkpoint_every=1000,
+        num_threads=1,
+        prometheus_textfile_dir=str(base / "textfile"),
+    )
     assert run_trainer(["train", "--config", str(cfg)], base / "log.txt") == 0, (base / "log.txt").read_text()
     return base / "run", (base / "log.txt").read_text()
 
@@ -99,9 +109,7 @@ def test_report_skips_a_truncated_line_and_names_it(run, tmp_path):
     n = len(lines) + 1
     assert skipped == [
         "cut: metrics.jsonl line 3 skipped: truncated or not JSON (Expecting value: line 1 column 1 (char 0))",
-        next(
-            s for s in skipped if s.startswith(f"cut: metrics.jsonl line {n} skipped: truncated or not JSON")
-        ),
+        next(s for s in skipped if s.startswith(f"cut: metrics.jsonl line {n} skipped: truncated or not JSON")),
     ]
     assert "report: cut: metrics.jsonl line 3 skipped" in log and f"metrics.jsonl line {n} skipped" in log
 
@@ -113,9 +121,7 @@ def test_two_runs_on_one_page_and_html(run, tmp_path):
     empty.mkdir()
     (empty / "status.json").write_text(json.dumps({"phase": "starting", "step": 0, "max_seq_len": 1024}))
     out = tmp_path / "both.html"
-    rc, log = report(
-        [str(run_dir), str(empty), "--label", "msl512", "--label", "msl1024", "-o", str(out)], tmp_path
-    )
+    rc, log = report([str(run_dir), str(empty), "--label", "msl512", "--label", "msl1024", "-o", str(out)], tmp_path)
     assert rc == 0, log
     page = out.read_text()
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page
@@ -179,19 +185,24 @@ def test_cpu_run_records_no_gpu_and_says_what_is_off(run):
 def test_gpu_samples_carry_the_starvation_flag_into_the_textfile(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    gpus = [{"index": 0, "power_w": 200.0, "power_limit_w": 600.0, "util_pct": 99.0, "sm_clock_mhz": 1980.0,
-             "memory_used_bytes": 2.0**34, "memory_total_bytes": 2.0**37}]  # fmt: skip
+    gpus = [
+        {
+            "index": 0,
+            "power_w": 200.0,
+            "power_limit_w": 600.0,
+            "util_pct": 99.0,
+            "sm_clock_mhz": 1980.0,
+            "memory_used_bytes": 2.0**34,
+            "memory_total_bytes": 2.0**37,
+        }
+    ]
     from eagle3.observe import gpu_sample
 
     sampler = GpuSampler(tmp_path, 0, lambda: 7, lambda: [gpu_sample(**g) for g in gpus], "nvml")
     sample = sampler.sample_once()
     assert json.loads((tmp_path / TELEMETRY_FILE).read_text())["gpus"][0]["starved"] is True
     text = prom_text({"phase": "training", "step": 7}, None, None, sample, 0.0, "r")
-    values = {
-        (s.name, s.labels.get("gpu")): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
+    values = {(s.name, s.labels.get("gpu")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values[("eagle3_gpu_starved", "0")] == 1
     assert values[("eagle3_gpu_utilization_ratio", "0")] == pytest.approx(0.99)
     assert values[("eagle3_gpu_sm_clock_hertz", "0")] == pytest.approx(1.98e9)
@@ -202,8 +213,14 @@ def test_a_failing_sink_is_reported_once_and_training_goes_on(tmp_path):
 
     blocker = tmp_path / "file"
     blocker.write_text("")
-    cfg = TrainConfig(data_dir="d", run_dir=str(tmp_path / "run"), max_seq_len=512,
-                      prometheus_textfile_dir=str(blocker / "sub"), tensorboard=False, telemetry_every_s=0)  # fmt: skip
+    cfg = TrainConfig(
+        data_dir="d",
+        run_dir=str(tmp_path / "run"),
+        max_seq_len=512,
+        prometheus_textfile_dir=str(blocker / "sub"),
+        tensorboard=False,
+        telemetry_every_s=0,
+    )
     lines = []
     obs = Observer(cfg, "cpu", lines.append).start(lambda: 0)
     obs.on_status({"phase": "training", "step": 1})
@@ -279,8 +296,11 @@ def test_nvml_reader_converts_units_and_flags_starvation(monkeypatch):
     assert how == "nvml"
     first, second = read()
     assert (first["power_w"], first["power_limit_w"], first["util_pct"], first["sm_clock_mhz"]) == (
-        250.0, 600.0, 100.0, 1500.0,
-    )  # fmt: skip
+        250.0,
+        600.0,
+        100.0,
+        1500.0,
+    )
     assert first["memory_used_bytes"] is None  # not supported: absent, not made up
     assert first["starved"] is True and second["starved"] is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -297,8 +317,19 @@ def test_the_grafana_dashboard_queries_only_metrics_the_trainer_writes(run):
     from prometheus_client.parser import text_string_to_metric_families
 
     run_dir, _ = run
-    gpu = {"gpus": [gpu_sample(0, power_w=250.0, power_limit_w=600.0, util_pct=99.0, sm_clock_mhz=1.0,
-                               memory_used_bytes=1.0, memory_total_bytes=2.0)]}  # fmt: skip
+    gpu = {
+        "gpus": [
+            gpu_sample(
+                0,
+                power_w=250.0,
+                power_limit_w=600.0,
+                util_pct=99.0,
+                sm_clock_mhz=1.0,
+                memory_used_bytes=1.0,
+                memory_total_bytes=2.0,
+            )
+        ]
+    }
     texts = [(run_dir.parent / "textfile" / PROM_FILE).read_text(), prom_text({}, None, None, gpu, 0.0, "r")]
     written = {s.name for text in texts for f in text_string_to_metric_families(text) for s in f.samples}
     dashboard = json.loads((Path(__file__).parents[2] / "dashboards" / "eagle3-training.json").read_text())

@@ -37,9 +37,7 @@ def data(tmp_path_factory):
     from eagle3.synth import SynthConfig, synthesize
 
     out = tmp_path_factory.mktemp("options") / "data"
-    synthesize(
-        out, SynthConfig(num_samples=8, hidden_size=64, min_len=16, max_len=64), log=lambda *a, **k: None
-    )
+    synthesize(out, SynthConfig(num_samples=8, hidden_size=64, min_len=16, max_len=64), log=lambda *a, **k: None)
     return out
 
 
@@ -76,9 +74,7 @@ def trainer_view(config_path, monkeypatch, world_size: int = 1) -> dict:
     monkeypatch.setattr(loop_module, "ttt_forward", spy)
     assert trainer.validate(step=0) is not None
     forward = seen[0]
-    view |= {
-        key: forward[key] for key in ("autocast", "attention", "activation_checkpointing", "loss_chunk_size")
-    }
+    view |= {key: forward[key] for key in ("autocast", "attention", "activation_checkpointing", "loss_chunk_size")}
     view["frozen_bf16"] = trainer.model.embed_tokens.weight.dtype == torch.bfloat16
     assert (forward["ttt_steps"], forward["gamma"]) == (cfg.ttt_steps, cfg.ttt_gamma)
     return view
@@ -103,9 +99,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize(("keys", "world_size"), CONFIGS)
-def test_trainer_and_planner_see_the_same_resolved_options(
-    tmp_path, data, capsys, monkeypatch, keys, world_size
-):
+def test_trainer_and_planner_see_the_same_resolved_options(tmp_path, data, capsys, monkeypatch, keys, world_size):
     config = write_config(tmp_path, data, **keys)
     assert trainer_view(config, monkeypatch, world_size) == planner_view(config, capsys, world_size)
 
@@ -120,9 +114,10 @@ def test_neither_side_resolves_on_its_own(tmp_path, data, capsys, monkeypatch):
         calls.append(world_size)
         resolved = real(cfg, device, world_size, nodes)
         return dataclasses.replace(
-            resolved, loss_chunk_size=384,
+            resolved,
+            loss_chunk_size=384,
             activation_checkpointing="full" if resolved.activation_checkpointing == "none" else "none",
-        )  # fmt: skip
+        )
 
     monkeypatch.setattr(options, "resolve_options", odd)
     config = write_config(tmp_path, data, loss_chunk_size=4096)

@@ -13,9 +13,7 @@ def _lengths(n, seed=0, lo=20, hi=900):
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_every_sample_once_and_rows_fit(packing):
     lengths = _lengths(300)
-    plan = plan_epoch(
-        list(range(300)), lengths, max_seq_len=1024, world_size=4, seed=1, epoch=0, packing=packing
-    )
+    plan = plan_epoch(list(range(300)), lengths, max_seq_len=1024, world_size=4, seed=1, epoch=0, packing=packing)
     seen = [sid for step in plan.steps for rank in step for sid in rank]
     assert sorted(seen) == list(range(300))
     for step in plan.steps:
@@ -39,9 +37,7 @@ def test_deterministic_per_seed_and_epoch(packing):
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_ranks_get_balanced_tokens(packing):
     lengths = _lengths(400, lo=50, hi=600)
-    plan = plan_epoch(
-        list(range(400)), lengths, max_seq_len=2048, world_size=4, seed=0, epoch=0, packing=packing
-    )
+    plan = plan_epoch(list(range(400)), lengths, max_seq_len=2048, world_size=4, seed=0, epoch=0, packing=packing)
     spreads = []
     for step in plan.steps[:-1]:  # the last step takes what is left
         loads = [sum(lengths[s] for s in rank) for rank in step]
@@ -112,8 +108,15 @@ EARLIER_NEXT_FIT = [[[5, 7], [3, 4, 1]], [[9, 10, 8], [6, 11]], [[2], [0]]]
 
 def test_next_fit_keeps_earlier_versions_plans():
     """next_fit is what checkpoints from before the packing key were planned with: its plans must not change."""
-    plan = plan_epoch(list(range(12)), _lengths(12, lo=100, hi=700), max_seq_len=1024, world_size=2, seed=5,
-                      epoch=3, packing="next_fit")  # fmt: skip
+    plan = plan_epoch(
+        list(range(12)),
+        _lengths(12, lo=100, hi=700),
+        max_seq_len=1024,
+        world_size=2,
+        seed=5,
+        epoch=3,
+        packing="next_fit",
+    )
     assert plan.steps == EARLIER_NEXT_FIT
 
 

@@ -55,8 +55,15 @@ SHAPES = {
 def cpu_spec(shape, dtype: str = "fp32", ckpt=False, ttt_steps: int = 3) -> P.RunSpec:
     """The trainer's CPU recipe (exact attention, loss chunks of 256), nothing reserved. bf16: the CUDA recipe
     (bf16 autocast, frozen weights in bf16) run on CPU: the same casts and saved tensors."""
-    spec = P.spec_for(shape, device="cpu", dtype=dtype, attention="exact", loss_chunk_size=256,
-                      activation_checkpointing=ckpt, ttt_steps=ttt_steps)  # fmt: skip
+    spec = P.spec_for(
+        shape,
+        device="cpu",
+        dtype=dtype,
+        attention="exact",
+        loss_chunk_size=256,
+        activation_checkpointing=ckpt,
+        ttt_steps=ttt_steps,
+    )
     spec = dataclasses.replace(spec, reserve_gib=0.0, allocator_factor=1.0)
     return spec.with_run(frozen_bf16=True) if dtype == "bf16" else spec
 
@@ -100,9 +107,7 @@ def test_prediction_is_within_15_percent_of_measured_bytes(name, seq_len, dtype,
     assert abs(held / measured.forward - 1) <= TOLERANCE, (
         f"held at forward end: predicted {held} vs measured {measured.forward} bytes"
     )
-    assert abs(peak / measured.peak - 1) <= TOLERANCE, (
-        f"peak: predicted {peak} vs measured {measured.peak} bytes"
-    )
+    assert abs(peak / measured.peak - 1) <= TOLERANCE, f"peak: predicted {peak} vs measured {measured.peak} bytes"
 
 
 @pytest.mark.slow
@@ -151,9 +156,7 @@ def test_largest_fitting_length_fits_and_the_next_one_does_not():
     assert chosen % 128 == 0
     assert P.predict_peak_bytes(spec, chosen) <= budget
     assert P.predict_peak_bytes(spec, chosen + 128) > budget
-    assert [row["fits"] for row in plan.table] == [
-        row["predicted_gb"] * P.GIB <= budget for row in plan.table
-    ]
+    assert [row["fits"] for row in plan.table] == [row["predicted_gb"] * P.GIB <= budget for row in plan.table]
 
 
 def test_predictions_grow_with_length_steps_and_shrink_with_options():
@@ -220,9 +223,7 @@ def test_cli_reads_the_trainer_config_and_its_dataset(tmp_path, capsys):
     from eagle3.synth import SynthConfig, synthesize
 
     data = tmp_path / "data"
-    synthesize(
-        data, SynthConfig(num_samples=4, hidden_size=64, min_len=16, max_len=32), log=lambda *a, **k: None
-    )
+    synthesize(data, SynthConfig(num_samples=4, hidden_size=64, min_len=16, max_len=32), log=lambda *a, **k: None)
     config = tmp_path / "train.yaml"
     config.write_text(
         f"data_dir: {data}\nrun_dir: {tmp_path / 'run'}\nmax_seq_len: auto\nttt_steps: 3\n"
@@ -259,14 +260,18 @@ def test_probe_fits_a_line_chooses_and_caches(tmp_path):
     spec = cuda(kimi, 8, activation_checkpointing=True)
     measure, calls = fake_gpu(a=2 * P.GIB, b=1_000_000)
     kwargs = dict(
-        memory_gb=96, margin=0.1, lengths=(4096, 8192), gpu_name="Fake GPU 96GB", torch_version="2.13.0",
+        memory_gb=96,
+        margin=0.1,
+        lengths=(4096, 8192),
+        gpu_name="Fake GPU 96GB",
+        torch_version="2.13.0",
         cache_dir=tmp_path,
-    )  # fmt: skip
+    )
     first = P.probe(spec, measure=measure, **kwargs)
     assert calls == [4096, 8192]
-    assert first["fit_bytes"]["a"] == pytest.approx(2 * P.GIB) and first["fit_bytes"][
-        "b_per_token"
-    ] == pytest.approx(1e6)
+    assert first["fit_bytes"]["a"] == pytest.approx(2 * P.GIB) and first["fit_bytes"]["b_per_token"] == pytest.approx(
+        1e6
+    )
     budget = P.budget_bytes(96, 0.1)
     fixed = P.static_bytes(spec) + P.GIB + 2 * P.GIB
 
@@ -327,9 +332,7 @@ def test_auto_on_cpu_chooses_a_length_that_trains_under_the_memory_limit(tmp_pat
     from eagle3.synth import SynthConfig, synthesize
 
     data = tmp_path / "data"
-    synthesize(
-        data, SynthConfig(num_samples=200, hidden_size=64, min_len=64, max_len=512), log=lambda *a, **k: None
-    )
+    synthesize(data, SynthConfig(num_samples=200, hidden_size=64, min_len=64, max_len=512), log=lambda *a, **k: None)
     config = tmp_path / "train.yaml"
     common = (
         f"data_dir: {data}\nrun_dir: {tmp_path / 'run'}\ndevice: cpu\nmemory_limit_gb: 1.5\nmax_steps: 2\n"
@@ -374,9 +377,7 @@ def test_grouped_query_attention_shrinks_kv_activations_and_weights_by_heads_ove
     assert P.gqa_savings(cpu_spec(mha, "bf16")) == {"activation_bytes_per_token": 0, "weights": 0}
     for s in (384, 768):
         diff = P.activation_bytes(cpu_spec(mha, "bf16"), s) - P.activation_bytes(cpu_spec(gqa, "bf16"), s)
-        assert (
-            diff == s * saved["activation_bytes_per_token"] + 2 * saved["weights"]
-        )  # + autocast weight copies
+        assert diff == s * saved["activation_bytes_per_token"] + 2 * saved["weights"]  # + autocast weight copies
 
 
 def test_memory_options_choice_takes_the_fastest_that_fits():
@@ -391,9 +392,7 @@ def test_memory_options_choice_takes_the_fastest_that_fits():
         fits = spec.with_run(activation_checkpointing=mode, loss_chunk_size=chunk)
         assert P.predict_peak_bytes(fits, s) <= budget
     lean = spec.with_run(activation_checkpointing="selective")
-    assert P.activation_bytes(lean, 32768) > P.activation_bytes(
-        spec.with_run(activation_checkpointing="full"), 32768
-    )
+    assert P.activation_bytes(lean, 32768) > P.activation_bytes(spec.with_run(activation_checkpointing="full"), 32768)
 
 
 def test_the_plan_table_says_why_it_advises_a_loss_chunk():
@@ -408,16 +407,26 @@ def test_the_plan_table_says_why_it_advises_a_loss_chunk():
     on_gpu = P.make_plan(cuda(tiny), memory_gb=64, margin=0.1, lengths=(16384,))
     assert "loss_chunk_size=0 fits at that length (one pass, the fastest)" in format_table(on_gpu)
     kimi = P.SHAPES["kimi-k2.5"]
-    tight = P.make_plan(cuda(kimi, 8, activation_checkpointing=True, fsdp=True), memory_gb=141, margin=0.1,
-                        lengths=(145280,))  # fmt: skip
+    tight = P.make_plan(
+        cuda(kimi, 8, activation_checkpointing=True, fsdp=True), memory_gb=141, margin=0.1, lengths=(145280,)
+    )
     assert "loss_chunk_size=4096 fits at that length (memory needs the chunked loss)" in format_table(tight)
 
 
 def test_the_mla_drafter_is_planned_and_keeps_one_latent_per_token_and_step(capsys):
     """MLA's TTT steps keep one latent (kv_lora_rank + qk_rope_head_dim) per token for every head instead of K and
     V per key/value head: under checkpointing, what the steps keep per token falls (bench/memory.py part (c))."""
-    args = ["--shape", "kimi-k2.5-mla", "--world-size", "8", "--memory-gb", "96", "--activation-checkpointing",
-            "--fsdp", "--json"]  # fmt: skip
+    args = [
+        "--shape",
+        "kimi-k2.5-mla",
+        "--world-size",
+        "8",
+        "--memory-gb",
+        "96",
+        "--activation-checkpointing",
+        "--fsdp",
+        "--json",
+    ]
     assert P.main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["shape"]["kv_lora_rank"] == 512 and out["max_seq_len"] >= 65536

@@ -88,9 +88,15 @@ def test_loss_mask_bytes_and_other_dtypes_convert_like_build_row(tmp_path):
     for n in (5, 3):
         writer.add(torch.arange(n), torch.ones(n), torch.randn(n, 3 * h), torch.randn(n, h))
     writer.finish(
-        target_vocab_size=16, draft_vocab_size=8, aux_layer_ids=(0, 1, 2), t2d=torch.ones(16),
-        d2t=torch.zeros(8), embed=torch.zeros(16, h), final_norm=torch.ones(h), lm_head=torch.zeros(16, h),
-    )  # fmt: skip
+        target_vocab_size=16,
+        draft_vocab_size=8,
+        aux_layer_ids=(0, 1, 2),
+        t2d=torch.ones(16),
+        d2t=torch.zeros(8),
+        embed=torch.zeros(16, h),
+        final_norm=torch.ones(h),
+        lm_head=torch.zeros(16, h),
+    )
     # Rewrite the shard by hand: a loss_mask byte of 2 (true, but not 1) and input_ids stored as int32.
     shard = tmp_path / "shards" / "shard_00000.safetensors"
     with safe_open(str(shard), framework="pt") as f:

@@ -34,10 +34,21 @@ def data(tmp_path_factory):
 
 def _config(tmp_path, data, **values):
     base = dict(
-        data_dir=str(data), run_dir=str(tmp_path / "run"), max_seq_len=512, ttt_steps=2, lr=3e-3,
-        warmup_steps=2, log_every=1, val_every=0, val_fraction=0.0, checkpoint_every=2, max_steps=6,
-        keep_checkpoints=3, num_threads=1, record_samples=True,
-    )  # fmt: skip
+        data_dir=str(data),
+        run_dir=str(tmp_path / "run"),
+        max_seq_len=512,
+        ttt_steps=2,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        val_every=0,
+        val_fraction=0.0,
+        checkpoint_every=2,
+        max_steps=6,
+        keep_checkpoints=3,
+        num_threads=1,
+        record_samples=True,
+    )
     base.update(values)
     return write_config(tmp_path / "train.yaml", **base)
 
@@ -105,9 +116,7 @@ def test_corrupt_checkpoints_are_passed_over_and_status_tells_the_truth(tmp_path
     assert steps == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 7, 8]  # steps 3-6 ran again, from the same data order
 
     # A restart of the finished run: nothing to train, and status.json still knows its last checkpoint.
-    assert (
-        run_trainer(["train", "--config", str(cfg), "--max-steps", "8"], tmp_path / "c.txt", timeout=180) == 0
-    )
+    assert run_trainer(["train", "--config", str(cfg), "--max-steps", "8"], tmp_path / "c.txt", timeout=180) == 0
     status = read_status(run)
     manifest = json.loads((root / "step_00000008" / ckpt.MARKER).read_text())
     assert status["phase"] == "done" and status["step"] == 8 and status["resumed_from_step"] == 8
@@ -130,8 +139,17 @@ def test_corrupt_checkpoints_are_passed_over_and_status_tells_the_truth(tmp_path
 
 # ------------------------------------------------------------------------------------------ the packer of a checkpoint
 def test_a_checkpoint_from_before_the_packing_key_was_packed_next_fit():
-    old = {"step": 4, "epoch": 0, "step_in_epoch": 4, "samples_seen": 9, "world_size": 1, "max_seq_len": 512,
-           "seed": 0, "best_val_loss": None, "best_step": None}  # fmt: skip
+    old = {
+        "step": 4,
+        "epoch": 0,
+        "step_in_epoch": 4,
+        "samples_seen": 9,
+        "world_size": 1,
+        "max_seq_len": 512,
+        "seed": 0,
+        "best_val_loss": None,
+        "best_step": None,
+    }
     assert ckpt.TrainerState(**old).packing == "next_fit"
 
 
@@ -141,9 +159,7 @@ def _planned(data, packing):
 
     reader = DatasetReader(data)
     ids = list(range(reader.index.num_samples))  # val_fraction 0
-    return plan_epoch(
-        ids, reader.index.lengths, max_seq_len=512, world_size=1, seed=0, epoch=0, packing=packing
-    )
+    return plan_epoch(ids, reader.index.lengths, max_seq_len=512, world_size=1, seed=0, epoch=0, packing=packing)
 
 
 @pytest.mark.slow
@@ -218,10 +234,13 @@ def test_a_checkpoint_folder_that_refuses_a_write_keeps_the_previous_one_and_sto
     log = tmp_path / "full.txt"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", FULL_DISK_DRIVER, "--config", str(cfg)], cwd=TRAINING_ROOT,
-            env={**trainer_env(), "FAULT_ERRNO": errno_name}, stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-c", FULL_DISK_DRIVER, "--config", str(cfg)],
+            cwd=TRAINING_ROOT,
+            env={**trainer_env(), "FAULT_ERRNO": errno_name},
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     try:
         rc = proc.wait(timeout=180)
     finally:
@@ -303,18 +322,16 @@ def test_a_read_only_checkpoint_folder_stops_the_run_at_its_first_save(tmp_path,
         f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
         f"exec {sys.executable} -m eagle3 train --config {cfg} > {log} 2>&1"
     )
-    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script], cwd=TRAINING_ROOT, env=trainer_env(),
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["unshare", "-m", "sh", "-c", script], cwd=TRAINING_ROOT, env=trainer_env(), start_new_session=True
+    )
     try:
         rc = proc.wait(timeout=180)
     finally:
         reap(proc)
     text = log.read_text()
     assert rc == EXIT_STORAGE, text
-    assert (
-        f"checkpoint at step 2 not written: {root} is read-only (EROFS" in text
-        and "no previous checkpoint" in text
-    )
+    assert f"checkpoint at step 2 not written: {root} is read-only (EROFS" in text and "no previous checkpoint" in text
     error = read_status(run)["error"]
     assert (error["kind"], error["errno"], error["path"]) == ("read_only", "EROFS", str(root))
     assert list(root.iterdir()) == []
@@ -326,8 +343,11 @@ def test_a_config_file_that_cannot_be_parsed_exits_2_and_says_so_where_the_launc
     status.json the launcher names, keeping what that file said of the earlier run."""
     status_file = tmp_path / "run" / "status.json"
     status_file.parent.mkdir()
-    status_file.write_text(json.dumps({"phase": "training", "step": 40, "epoch": 1, "last_checkpoint_step": 25,
-                                       "updated": 1.0, "error": None}))  # fmt: skip
+    status_file.write_text(
+        json.dumps(
+            {"phase": "training", "step": 40, "epoch": 1, "last_checkpoint_step": 25, "updated": 1.0, "error": None}
+        )
+    )
     cfg = tmp_path / "train.yaml"
     cfg.write_text(broken)
     log = tmp_path / "log.txt"

@@ -46,15 +46,35 @@ def start_torchrun(
     """Start 2 CPU ranks on `data`; the run directory is tmp_path/run, the output tmp_path/log.txt."""
     run = tmp_path / "run"
     base = dict(
-        data_dir=str(data), run_dir=str(run), max_seq_len=512, ttt_steps=2, lr=3e-3, warmup_steps=3,
-        log_every=1, val_every=0, checkpoint_every=1000, num_threads=1, record_samples=True,
-    )  # fmt: skip
+        data_dir=str(data),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=2,
+        lr=3e-3,
+        warmup_steps=3,
+        log_every=1,
+        val_every=0,
+        checkpoint_every=1000,
+        num_threads=1,
+        record_samples=True,
+    )
     cfg = write_config(tmp_path / "train.yaml", **{**base, **values})
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous_port()}", "--local-addr=127.0.0.1",
-        "--max-restarts=0", "-m", "eagle3", "train", "--config", str(cfg),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{rendezvous_port()}",
+        "--local-addr=127.0.0.1",
+        "--max-restarts=0",
+        "-m",
+        "eagle3",
+        "train",
+        "--config",
+        str(cfg),
+    ]
     if via_launch:
         cmd = [sys.executable, "-m", "eagle3.launch", "--status", str(run / "status.json"), "--", *cmd]
     log = (tmp_path / "log.txt").open("ab")
@@ -167,9 +187,7 @@ def test_fsdp_stops_with_one_signalled_rank_and_resumes_on_the_ddp_trajectory(dd
     checkpoint (fp32 on CPU) then resumes, and every step's loss equals the DDP run's."""
     proc, run = start_torchrun(tmp_path, data, max_steps=STEPS, fsdp=True)
     try:
-        assert wait_for(reached_step(run, 2), timeout=STOP_TIMEOUT), (tmp_path / "log.txt").read_text()[
-            -3000:
-        ]
+        assert wait_for(reached_step(run, 2), timeout=STOP_TIMEOUT), (tmp_path / "log.txt").read_text()[-3000:]
         rank1 = next(p for p in worker_pids(proc.pid) if worker_rank(p) == 1)
         os.kill(rank1, signal.SIGTERM)
         rc, log = finish(proc, tmp_path, STOP_TIMEOUT)
@@ -202,9 +220,7 @@ def test_fsdp_stops_with_one_signalled_rank_and_resumes_on_the_ddp_trajectory(dd
 def test_out_of_memory_on_one_rank_is_recorded_and_ends_the_run_with_3(data, tmp_path):
     """EAGLE3_FAULT_OOM_AT_STEP raises torch's OutOfMemoryError in rank 1's step 3: the real OOM path runs
     (status.json kind oom with max_seq_len, rank exit 3), rank 0 stops too, and eagle3.launch exits 3."""
-    proc, run = start_torchrun(
-        tmp_path, data, via_launch=True, env={"EAGLE3_FAULT_OOM_AT_STEP": "3:rank1"}, epochs=1
-    )
+    proc, run = start_torchrun(tmp_path, data, via_launch=True, env={"EAGLE3_FAULT_OOM_AT_STEP": "3:rank1"}, epochs=1)
     rc, log = finish(proc, tmp_path)
     assert rc == 3, log[-3000:]
     # Which rank torchrun names as the root cause is a race (rank 0's broken collective may end first); the
@@ -223,9 +239,7 @@ def test_sigterm_to_the_launcher_stops_cleanly_without_a_traceback(data, tmp_pat
     the unit exits 0, and the journal gets one line about it and no Python traceback."""
     proc, run = start_torchrun(tmp_path, data, via_launch=True, epochs=1)
     try:
-        assert wait_for(reached_step(run, 2), timeout=STOP_TIMEOUT), (tmp_path / "log.txt").read_text()[
-            -3000:
-        ]
+        assert wait_for(reached_step(run, 2), timeout=STOP_TIMEOUT), (tmp_path / "log.txt").read_text()[-3000:]
         os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as KillMode=mixed does
         rc, log = finish(proc, tmp_path, STOP_TIMEOUT)
     finally:
@@ -233,9 +247,7 @@ def test_sigterm_to_the_launcher_stops_cleanly_without_a_traceback(data, tmp_pat
     assert rc == 0, log[-3000:]
     status = read_status(run)
     assert status["phase"] == "stopped", "the run finished before the signal"
-    assert f"eagle3.launch: stopped on SIGTERM; trainer checkpointed at step {status['step']}" in log, log[
-        -3000:
-    ]
+    assert f"eagle3.launch: stopped on SIGTERM; trainer checkpointed at step {status['step']}" in log, log[-3000:]
     assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
     assert ckpt.newest_valid(run).name == ckpt.step_dir_name(status["step"])
 
@@ -247,10 +259,26 @@ def test_init_from_under_fsdp_gives_the_unsharded_runs_first_step(ddp_run, data,
     is not the loss of a run started from random weights."""
     exported = tmp_path / "export"
     subprocess.run(
-        [sys.executable, "-m", "eagle3", "export", str(ddp_run[2]), str(exported), "--checkpoint", "latest",
-         "--verifier", "test/verifier", "--verifier-arch", "LlamaForCausalLM"],
-        cwd=TRAINING_ROOT, env=trainer_env(), check=True, capture_output=True, timeout=RUN_TIMEOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "eagle3",
+            "export",
+            str(ddp_run[2]),
+            str(exported),
+            "--checkpoint",
+            "latest",
+            "--verifier",
+            "test/verifier",
+            "--verifier-arch",
+            "LlamaForCausalLM",
+        ],
+        cwd=TRAINING_ROOT,
+        env=trainer_env(),
+        check=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT,
+    )
     first = {}
     for fsdp in (False, True):
         where = tmp_path / ("fsdp" if fsdp else "ddp")

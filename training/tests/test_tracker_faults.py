@@ -95,10 +95,22 @@ def test_a_failing_tracker_is_in_status_json_and_the_log_once_and_training_goes_
 ):
     run = tmp_path / "run"
     cfg = write_config(
-        tmp_path / "train.yaml", data_dir=str(synth_dataset(tmp_path)), run_dir=str(run), max_seq_len=512,
-        ttt_steps=2, max_steps=3, warmup_steps=1, log_every=1, val_every=0, val_max_batches=1,
-        checkpoint_every=1000, num_threads=1, telemetry_every_s=0, tensorboard=False, tracker="wandb",
-    )  # fmt: skip
+        tmp_path / "train.yaml",
+        data_dir=str(synth_dataset(tmp_path)),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=2,
+        max_steps=3,
+        warmup_steps=1,
+        log_every=1,
+        val_every=0,
+        val_max_batches=1,
+        checkpoint_every=1000,
+        num_threads=1,
+        telemetry_every_s=0,
+        tensorboard=False,
+        tracker="wandb",
+    )
     log = tmp_path / "train.txt"
     code = run_trainer(["train", "--config", str(cfg)], log, env=fake_env(fake_wandb, mode))
     text = log.read_text()
@@ -116,14 +128,24 @@ def test_a_failing_tracker_is_in_status_json_and_the_log_once_and_training_goes_
 def test_a_working_tracker_is_ok_in_status_json(fake_wandb, tmp_path):
     run = tmp_path / "run"
     cfg = write_config(
-        tmp_path / "train.yaml", data_dir=str(synth_dataset(tmp_path)), run_dir=str(run), max_seq_len=512,
-        ttt_steps=2, max_steps=2, warmup_steps=1, log_every=1, val_every=0, val_max_batches=1,
-        checkpoint_every=1000, num_threads=1, telemetry_every_s=0, tensorboard=False, tracker="wandb",
-    )  # fmt: skip
-    log = tmp_path / "train.txt"
-    assert run_trainer(["train", "--config", str(cfg)], log, env=fake_env(fake_wandb, "")) == 0, (
-        log.read_text()
+        tmp_path / "train.yaml",
+        data_dir=str(synth_dataset(tmp_path)),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=2,
+        max_steps=2,
+        warmup_steps=1,
+        log_every=1,
+        val_every=0,
+        val_max_batches=1,
+        checkpoint_every=1000,
+        num_threads=1,
+        telemetry_every_s=0,
+        tensorboard=False,
+        tracker="wandb",
     )
+    log = tmp_path / "train.txt"
+    assert run_trainer(["train", "--config", str(cfg)], log, env=fake_env(fake_wandb, "")) == 0, log.read_text()
     assert read_status(run)["tracker"] == {"name": "wandb", "ok": True, "error": None, "at": None}
     assert "warning: tracker" not in log.read_text()
     assert (run / "fake-wandb.jsonl").read_text().count('"train/loss"') == 2
@@ -135,14 +157,18 @@ def check_tracker(args: list[str], env: dict[str, str]) -> subprocess.CompletedP
         "import sys; from eagle3.cli import main; code = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'check-tracker imported torch'; sys.exit(code)"
     )
-    return subprocess.run([sys.executable, "-c", code, "check-tracker", *args], cwd=TRAINING_ROOT,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, "check-tracker", *args],
+        cwd=TRAINING_ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_check_tracker_imports_the_configs_tracker_without_torch(fake_wandb, tmp_path):
-    config = write_config(
-        tmp_path / "train.yaml", data_dir="/d", run_dir="/r", max_seq_len="auto", tracker="wandb"
-    )
+    config = write_config(tmp_path / "train.yaml", data_dir="/d", run_dir="/r", max_seq_len="auto", tracker="wandb")
     python = os.path.normpath(sys.executable)  # as the child sees itself
     broken = check_tracker(["--config", str(config)], fake_env(fake_wandb, "import"))
     assert broken.returncode == 2, broken.stderr

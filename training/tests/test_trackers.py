@@ -41,10 +41,21 @@ def test_tensorboard_curves_continue_across_a_resume_without_the_steps_trained_a
     data = synth_dataset(tmp_path)
     run = tmp_path / "run"
     cfg = write_config(
-        tmp_path / "train.yaml", data_dir=str(data), run_dir=str(run), max_seq_len=512, ttt_steps=2,
-        max_steps=4, warmup_steps=1, log_every=1, val_every=2, val_max_batches=1, checkpoint_every=2,
-        num_threads=1, telemetry_every_s=0, tracker="mlflow",
-    )  # fmt: skip
+        tmp_path / "train.yaml",
+        data_dir=str(data),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=2,
+        max_steps=4,
+        warmup_steps=1,
+        log_every=1,
+        val_every=2,
+        val_max_batches=1,
+        checkpoint_every=2,
+        num_threads=1,
+        telemetry_every_s=0,
+        tracker="mlflow",
+    )
     assert run_trainer(["train", "--config", str(cfg)], tmp_path / "a.txt", timeout=180) == 0
     first = {r["step"]: r for r in read_metrics(run)}
     assert sorted(first) == [1, 2, 3, 4]
@@ -55,8 +66,7 @@ def test_tensorboard_curves_continue_across_a_resume_without_the_steps_trained_a
     assert run_trainer(["train", "--config", str(cfg)], log, timeout=180) == 0
     assert "(curves continue after step 2)" in log.read_text()
     assert (
-        f"tracker: mlflow, continuing {first_mlflow['tracking_uri']}, run {first_mlflow['run_id']}"
-        in log.read_text()
+        f"tracker: mlflow, continuing {first_mlflow['tracking_uri']}, run {first_mlflow['run_id']}" in log.read_text()
     )
     assert json.loads((run / "tracker.json").read_text()) == first_mlflow
     assert len(list((run / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 2  # one file per start
@@ -69,8 +79,15 @@ def test_tensorboard_curves_continue_across_a_resume_without_the_steps_trained_a
     for step, record in latest.items():
         for tag, value in tb_values(record).items():
             assert shown[tag][step] == pytest.approx(value, rel=1e-6), (tag, step)
-    for tag in ("train/loss", "train/full_acc_0", "train/full_acc_1", "train/tokens_per_s", "train/time_split/fwd",
-                "train/peak_mem_gb", "train/lr"):  # fmt: skip
+    for tag in (
+        "train/loss",
+        "train/full_acc_0",
+        "train/full_acc_1",
+        "train/tokens_per_s",
+        "train/time_split/fwd",
+        "train/peak_mem_gb",
+        "train/lr",
+    ):
         assert sorted(shown[tag]) == [1, 2, 3, 4], tag
     vals = read_metrics(run, "val")
     assert {r["step"] for r in vals} == {2, 4}
@@ -101,8 +118,15 @@ def test_gpu_power_and_utilisation_reach_tensorboard(tmp_path):
     cfg = TrainConfig(data_dir="d", run_dir=str(tmp_path / "run"), max_seq_len=512, telemetry_every_s=0)
     obs = Observer(cfg, "cpu", lambda line: None).start(lambda: 0)
     obs.on_status({"phase": "training", "step": 0, "resumed_from_step": None})
-    gpu = gpu_sample(index=0, power_w=250.0, power_limit_w=600.0, util_pct=100.0, sm_clock_mhz=1500.0,
-                     memory_used_bytes=2.0**33, memory_total_bytes=2.0**37)  # fmt: skip
+    gpu = gpu_sample(
+        index=0,
+        power_w=250.0,
+        power_limit_w=600.0,
+        util_pct=100.0,
+        sm_clock_mhz=1500.0,
+        memory_used_bytes=2.0**33,
+        memory_total_bytes=2.0**37,
+    )
     obs.on_sample({"step": 5, "gpus": [gpu]})
     obs.close()
     shown = scalars(tmp_path / "run" / TENSORBOARD_DIR)
@@ -115,10 +139,23 @@ def tiny_tracked_run(tmp_path, tracker: str):
     data = synth_dataset(tmp_path)
     run = tmp_path / "run"
     cfg = write_config(
-        tmp_path / "train.yaml", data_dir=str(data), run_dir=str(run), max_seq_len=512, ttt_steps=2,
-        max_steps=3, warmup_steps=1, log_every=1, val_every=3, val_max_batches=1, checkpoint_every=1000,
-        num_threads=1, telemetry_every_s=0, tensorboard=False, tracker=tracker, tracker_project="tiny",
-    )  # fmt: skip
+        tmp_path / "train.yaml",
+        data_dir=str(data),
+        run_dir=str(run),
+        max_seq_len=512,
+        ttt_steps=2,
+        max_steps=3,
+        warmup_steps=1,
+        log_every=1,
+        val_every=3,
+        val_max_batches=1,
+        checkpoint_every=1000,
+        num_threads=1,
+        telemetry_every_s=0,
+        tensorboard=False,
+        tracker=tracker,
+        tracker_project="tiny",
+    )
     assert run_trainer(["train", "--config", str(cfg)], tmp_path / "train.txt", timeout=240) == 0
     verifier = ["--verifier", "org/target", "--verifier-arch", "LlamaForCausalLM"]
     out = tmp_path / "export"
@@ -138,9 +175,7 @@ def expected_scalars(run) -> dict[str, dict[int, float]]:
 
 @pytest.mark.slow
 def test_an_mlflow_file_store_run_holds_the_metrics_the_config_and_the_export(tmp_path):
-    pytest.importorskip(
-        "mlflow", reason="mlflow-skinny is in requirements/train.txt; scripts/setup.sh installs it"
-    )
+    pytest.importorskip("mlflow", reason="mlflow-skinny is in requirements/train.txt; scripts/setup.sh installs it")
     from eagle3.trackers import mlflow_client
 
     run, log = tiny_tracked_run(tmp_path, "mlflow")
@@ -159,9 +194,7 @@ def test_an_mlflow_file_store_run_holds_the_metrics_the_config_and_the_export(tm
         history = {m.step: m.value for m in client.get_metric_history(record["run_id"], tag)}
         assert history == pytest.approx(series, rel=1e-6), tag
     assert sorted(expected["train/loss"]) == [1, 2, 3] and "val/acceptance_length" in expected
-    artifacts = {
-        a.path for folder in ("config", "export") for a in client.list_artifacts(record["run_id"], folder)
-    }
+    artifacts = {a.path for folder in ("config", "export") for a in client.list_artifacts(record["run_id"], folder)}
     assert {"config/start-1.yaml", "export/config.json", "export/model.safetensors"} <= artifacts
 
 
@@ -200,8 +233,9 @@ def wandb_history(run_dir) -> list[dict]:
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
         for record in wandb_records(path):
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})  # fmt: skip
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows
 
 
@@ -221,11 +255,19 @@ def test_an_offline_wandb_run_holds_the_metrics_and_the_config(tmp_path, monkeyp
     assert set(logged) == set(expected)
     for tag, series in expected.items():
         assert logged[tag] == pytest.approx(series, rel=1e-6), tag
-    configs = [r.run.config for p in run.glob("wandb/offline-run-*/run-*.wandb") for r in wandb_records(p)
-               if r.WhichOneof("record_type") == "run"]  # fmt: skip
+    configs = [
+        r.run.config
+        for p in run.glob("wandb/offline-run-*/run-*.wandb")
+        for r in wandb_records(p)
+        if r.WhichOneof("record_type") == "run"
+    ]
     values = {item.key: json.loads(item.value_json) for c in configs for item in c.update}
-    artifacts = [r.artifact for p in run.glob("wandb/offline-run-*/run-*.wandb") for r in wandb_records(p)
-                 if r.WhichOneof("record_type") == "artifact"]  # fmt: skip
+    artifacts = [
+        r.artifact
+        for p in run.glob("wandb/offline-run-*/run-*.wandb")
+        for r in wandb_records(p)
+        if r.WhichOneof("record_type") == "artifact"
+    ]
     assert sorted(a.type for a in artifacts) == ["config", "export"]
     assert values["max_seq_len"] == 512 and values["tracker"] == "wandb"
 
@@ -237,9 +279,10 @@ def test_a_tracker_whose_package_is_missing_is_a_config_error_naming_it(monkeypa
     from eagle3.trackers import check_available
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
-    )
-    with pytest.raises(ConfigError, match=r"tracker='wandb' but the wandb package is not installed in .*pip install "
-                       r"wandb into the training venv, or set tracker: none"):  # fmt: skip
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(
+        ConfigError,
+        match=r"tracker='wandb' but the wandb package is not installed in .*pip install "
+        r"wandb into the training venv, or set tracker: none",
+    ):
         check_available("wandb")

@@ -78,9 +78,7 @@ def most_frequent_baseline(data, ids) -> tuple[float, float]:
 @pytest.mark.slow
 def test_drafter_learns_on_synth_data(tmp_path_factory, tmp_path):
     data = synth_dataset(tmp_path_factory.getbasetemp(), "synth_learn", num_samples=400, max_len=512)
-    cfg = _config(
-        tmp_path, data, max_seq_len=1024, max_steps=80, lr=5e-3, warmup_steps=10, log_every=20, val_every=40
-    )
+    cfg = _config(tmp_path, data, max_seq_len=1024, max_steps=80, lr=5e-3, warmup_steps=10, log_every=20, val_every=40)
     assert run_trainer(["train", "--config", str(cfg)], tmp_path / "log.txt", timeout=240) == 0
     run = tmp_path / "run"
     vals = read_metrics(run, "val")
@@ -133,9 +131,7 @@ def _status_error(run_dir):
 )
 def test_bad_input_exits_2_with_the_reason_in_status(tmp_path_factory, tmp_path, data, override, words):
     if "LONGDOCS" in override:
-        long_docs = synth_dataset(
-            tmp_path_factory.getbasetemp(), "synth_long", num_samples=8, min_len=200, max_len=300
-        )
+        long_docs = synth_dataset(tmp_path_factory.getbasetemp(), "synth_long", num_samples=8, min_len=200, max_len=300)
         override = [str(long_docs) if v == "LONGDOCS" else v for v in override]
     cfg = _config(tmp_path, data)
     rc = run_trainer(["train", "--config", str(cfg), *override], tmp_path / "log.txt", timeout=120)
@@ -145,9 +141,7 @@ def test_bad_input_exits_2_with_the_reason_in_status(tmp_path_factory, tmp_path,
     assert error["kind"] == "config"
     for word in words:
         assert word in error["message"] and word in log
-    assert not (tmp_path / "run" / "checkpoints").exists() or not list(
-        (tmp_path / "run" / "checkpoints").iterdir()
-    )
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
 
 
 def test_unknown_key_exits_2(tmp_path, data):
@@ -173,9 +167,7 @@ def test_corrupt_shard_exits_2(tmp_path, data):
 def test_out_of_memory_exits_3_and_says_so(tmp_path, data):
     # torch's own OutOfMemoryError, raised in step 2 by the test-only hook (no address-space starvation).
     cfg = _config(tmp_path, data, max_seq_len=1024, max_steps=4, val_fraction=0.0)
-    rc = run_trainer(
-        ["train", "--config", str(cfg)], tmp_path / "oom.txt", env={"EAGLE3_FAULT_OOM_AT_STEP": "2"}
-    )
+    rc = run_trainer(["train", "--config", str(cfg)], tmp_path / "oom.txt", env={"EAGLE3_FAULT_OOM_AT_STEP": "2"})
     assert rc == 3, (tmp_path / "oom.txt").read_text()
     error = _status_error(tmp_path / "run")
     assert error["kind"] == "oom" and error["max_seq_len"] == 1024
@@ -186,9 +178,7 @@ def test_out_of_memory_exits_3_and_says_so(tmp_path, data):
 def _train_ids_in_order(data, max_seq_len, seed=0):
     reader = DatasetReader(data)
     train_ids, _ = split_train_val(reader.index.num_samples, 0.1)
-    plan = plan_epoch(
-        train_ids, reader.index.lengths, max_seq_len=max_seq_len, world_size=1, seed=seed, epoch=0
-    )
+    plan = plan_epoch(train_ids, reader.index.lengths, max_seq_len=max_seq_len, world_size=1, seed=seed, epoch=0)
     return train_ids, plan
 
 
@@ -221,9 +211,7 @@ def test_sigterm_checkpoints_and_restart_continues_the_same_data_order(tmp_path,
     assert steps == list(range(1, len(plan) + 1))  # no step twice, none left out
     seen = [sid for r in records for sid in r["ids"]]
     assert sorted(seen) == train_ids  # every training sample exactly once
-    assert [r["ids"] for r in records] == [
-        step[0] for step in plan.steps
-    ]  # the planned order, across the restart
+    assert [r["ids"] for r in records] == [step[0] for step in plan.steps]  # the planned order, across the restart
 
 
 @pytest.mark.slow
@@ -232,9 +220,7 @@ def test_sigkill_resumes_from_the_last_valid_checkpoint(tmp_path, short_data):
     run = tmp_path / "run"
     proc = start_trainer(["train", "--config", str(cfg)], tmp_path / "log.txt")
     try:
-        assert wait_for(lambda: len(ckpt.list_valid(run)) >= 2, timeout=120), (
-            tmp_path / "log.txt"
-        ).read_text()
+        assert wait_for(lambda: len(ckpt.list_valid(run)) >= 2, timeout=120), (tmp_path / "log.txt").read_text()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=240)
     finally:
@@ -270,9 +256,7 @@ def test_second_signal_exits_at_once(tmp_path, data):
             lambda: (run / "status.json").is_file() and read_status(run)["phase"] == "training", timeout=120
         )
         os.killpg(proc.pid, signal.SIGTERM)
-        assert wait_for(
-            lambda: "checkpoint at the next step boundary" in (tmp_path / "log.txt").read_text(), 30
-        )
+        assert wait_for(lambda: "checkpoint at the next step boundary" in (tmp_path / "log.txt").read_text(), 30)
         os.killpg(proc.pid, signal.SIGTERM)
         rc = proc.wait(timeout=240)
     finally:

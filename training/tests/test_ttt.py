@@ -110,9 +110,7 @@ def test_step_losses_are_weighted_by_gamma(make_model, make_row, tiny_config):
     loss, stats = ttt_forward(make_model(cfg), make_row(cfg, [40, 24], mask_prob=0.6), ttt_steps=4, gamma=0.8)
     expected = sum(0.8**k * stats["loss_sum"][k] / stats["count"][k] for k in range(4))
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
-    assert all(
-        v.dtype == torch.float64 and v.device.type == "cpu" and v.shape == (4,) for v in stats.values()
-    )
+    assert all(v.dtype == torch.float64 and v.device.type == "cpu" and v.shape == (4,) for v in stats.values())
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients(make_model, make_row, tiny_config):

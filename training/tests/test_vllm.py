@@ -35,9 +35,7 @@ def prompts(tiny_drafter):
     return prompts_from(read_records(tiny_drafter.held), tokenizer, PROMPTS, 512), tokenizer.eos_token_id
 
 
-def test_the_export_is_served_with_its_aux_layers_and_decodes_the_targets_greedy_tokens(
-    tiny_drafter, engines, prompts
-):
+def test_the_export_is_served_with_its_aux_layers_and_decodes_the_targets_greedy_tokens(tiny_drafter, engines, prompts):
     spec, plain = engines
     draft = spec.llm.llm_engine.vllm_config.speculative_config.draft_model_config.hf_config
     exported = json.loads((tiny_drafter.export_dir / "config.json").read_text())
@@ -61,12 +59,8 @@ def test_vllm_measures_the_acceptance_the_projects_decoder_measures(tiny_drafter
     kernels and torch's order their sums differently on; a wrong count of rounds or of accepted drafts in either
     engine moves it by more."""
     options = dict(k=K, max_new=MAX_NEW, prompts=PROMPTS, log=lambda *a, **k: None)
-    ours = evaluate(
-        tiny_drafter.target, tiny_drafter.export_dir, tiny_drafter.held, baseline=False, **options
-    )
-    theirs = evaluate_vllm(
-        tiny_drafter.target, tiny_drafter.export_dir, tiny_drafter.held, engines=engines, **options
-    )
+    ours = evaluate(tiny_drafter.target, tiny_drafter.export_dir, tiny_drafter.held, baseline=False, **options)
+    theirs = evaluate_vllm(tiny_drafter.target, tiny_drafter.export_dir, tiny_drafter.held, engines=engines, **options)
     assert theirs["engine"] == "vllm" and ours["engine"] == "eagle3"
     assert theirs["exact"] and ours["exact"] and theirs["tokens"] == ours["tokens"]
     assert abs(theirs["acceptance_length"] - ours["acceptance_length"]) <= 0.02, (theirs, ours)

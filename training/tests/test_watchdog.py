@@ -178,12 +178,24 @@ def test_disabled_with_floor_zero(tmp_path):
 # ------------------------------------------------------------------------------------------ a real trainer
 def _config(tmp_path, data, **values):
     base = dict(
-        data_dir=str(data), run_dir=str(tmp_path / "run"), max_seq_len=512, ttt_steps=2, lr=3e-3,
-        warmup_steps=2, log_every=1, val_every=0, val_fraction=0.0, checkpoint_every=2, max_steps=6,
-        num_threads=1, record_samples=True,
+        data_dir=str(data),
+        run_dir=str(tmp_path / "run"),
+        max_seq_len=512,
+        ttt_steps=2,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        val_every=0,
+        val_fraction=0.0,
+        checkpoint_every=2,
+        max_steps=6,
+        num_threads=1,
+        record_samples=True,
         # A floor of a few seconds keeps the test short; ~0.2 s steps here, x10 is still below it.
-        watchdog_floor_s=6, watchdog_factor=10, watchdog_first_step_s=120,
-    )  # fmt: skip
+        watchdog_floor_s=6,
+        watchdog_factor=10,
+        watchdog_first_step_s=120,
+    )
     base.update(values)
     return write_config(tmp_path / "train.yaml", **base)
 
@@ -195,9 +207,13 @@ def _run(args, log_path, env_extra=None, timeout=180):
     env = {**trainer_env(), **(env_extra or {})}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eagle3", *args], cwd=TRAINING_ROOT, env=env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, "-m", "eagle3", *args],
+            cwd=TRAINING_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         return proc.wait(timeout=timeout)
     finally:

@@ -25,9 +25,7 @@ def pack(training_dir: str, out: str) -> str:
     blob = buf.getvalue()
     if not os.path.exists(out) or Path(out).read_bytes() != blob:
         # A temporary name of its own: two plays packing at once (two scenarios, two inventories) never share one.
-        fd, tmp = tempfile.mkstemp(
-            prefix=".eagle3-trainer.", suffix=".tmp", dir=os.path.dirname(os.path.abspath(out))
-        )
+        fd, tmp = tempfile.mkstemp(prefix=".eagle3-trainer.", suffix=".tmp", dir=os.path.dirname(os.path.abspath(out)))
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)

@@ -33,9 +33,7 @@ def _int(value) -> int:
             return 0
 
 
-def plan_memory(
-    configured_gb, gpus: list | None, config: dict | None = None, overrides: dict | None = None
-) -> dict:
+def plan_memory(configured_gb, gpus: list | None, config: dict | None = None, overrides: dict | None = None) -> dict:
     """{gb, source}: the memory per worker (GiB) the planner is told, and where it comes from ('' when nowhere).
 
     `configured_gb`: eagle3_train_plan_memory_gb (0: not set). `gpus`: gpu_facts' list (memory_total_mib, name).
@@ -52,9 +50,7 @@ def plan_memory(
     """
     if _float(configured_gb) > 0:
         return {"gb": _float(configured_gb), "source": "eagle3_train_plan_memory_gb"}
-    with_memory = sorted(
-        (g for g in gpus or [] if g.get("memory_total_mib")), key=lambda g: g["memory_total_mib"]
-    )
+    with_memory = sorted((g for g in gpus or [] if g.get("memory_total_mib")), key=lambda g: g["memory_total_mib"])
     if with_memory:
         smallest = with_memory[0]
         return {

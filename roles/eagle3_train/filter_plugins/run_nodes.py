@@ -55,9 +55,7 @@ def _multinode_problems(nodes: list[str], reports: dict) -> list[str]:
                 "an address the others reach"
             )
         elif addr in seen:
-            problems.append(
-                f"{h}: eagle3_train_node_addr={addr} is also {seen[addr]}'s; each node needs its own"
-            )
+            problems.append(f"{h}: eagle3_train_node_addr={addr} is also {seen[addr]}'s; each node needs its own")
         else:
             seen[addr] = h
         if rep.get("state_dir") == rep.get("run_dir"):
@@ -126,9 +124,7 @@ def run_nodes(nodes: list, play_hosts: list, reports: dict, host: str) -> dict:
             )
         rank = _rank(rep.get("rank", "auto"), nodes, h)
         if rank is None or not 0 <= rank < n:
-            errors.append(
-                f"{h}: eagle3_train_node_rank={rep.get('rank')} is out of range; allowed: auto or 0..{n - 1}"
-            )
+            errors.append(f"{h}: eagle3_train_node_rank={rep.get('rank')} is out of range; allowed: auto or 0..{n - 1}")
             continue
         ranks[h] = rank
     by_rank: dict[int, list[str]] = {}

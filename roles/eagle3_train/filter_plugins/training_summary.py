@@ -138,11 +138,7 @@ def run_summary(reports: dict, now=None) -> list[str]:
     units = ", ".join(f"{h} {(reports[h].get('unit') or {}).get('ActiveState', '?')}" for h in names)
     status = (
         next(
-            (
-                reports[h].get("status")
-                for h in names
-                if (reports[h].get("status") or {}).get("step") is not None
-            ),
+            (reports[h].get("status") for h in names if (reports[h].get("status") or {}).get("step") is not None),
             {},
         )
         or {}
@@ -179,9 +175,7 @@ def in_target_command(reach: dict) -> str:
     """
     if reach.get("connection") == "pct":
         node = reach.get("node") or ""
-        on_node = (
-            "" if node in ("", "localhost", "local") else f"ssh {reach.get('node_user') or 'root'}@{node} "
-        )
+        on_node = "" if node in ("", "localhost", "local") else f"ssh {reach.get('node_user') or 'root'}@{node} "
         return f"{on_node}{reach.get('pct') or 'pct'} exec {reach.get('vmid')} --"
     user = f"{reach['user']}@" if reach.get("user") else ""
     return f"ssh {user}{reach.get('host')}"
@@ -278,9 +272,7 @@ def training_summary(
         lines.append(f"step {s['step']} (epoch {s.get('epoch', 0)}){resumed}{ckpt}{_previous(s)}")
     for skipped in s.get("skipped_checkpoints") or []:
         moved = f"; moved aside to {skipped['moved_to']}" if skipped.get("moved_to") else "; left in place"
-        lines.append(
-            f"skipped corrupt checkpoint {skipped.get('name', '?')}: {skipped.get('reason', '?')}{moved}"
-        )
+        lines.append(f"skipped corrupt checkpoint {skipped.get('name', '?')}: {skipped.get('reason', '?')}{moved}")
     if state == "running" and run.get("stalled"):
         lines.append(
             f"no current rate while stalled (the last steps ran at {_f(s.get('tokens_per_s'), ',.0f')} tokens/s, "
@@ -311,7 +303,9 @@ def training_summary(
             f"{g.get('memory_used_mib', '?')}/{g.get('memory_total_mib', '?')} MiB"
         )
         if g.get("starved"):
-            line += " - STARVED: busy but far below its power limit (waiting on all-reduce or data: compare fetch and bwd)"
+            line += (
+                " - STARVED: busy but far below its power limit (waiting on all-reduce or data: compare fetch and bwd)"
+            )
         lines.append(line)
     return lines
 
@@ -348,9 +342,7 @@ def stopped_summary(last: dict | None, vmid, pct_status: str = "", now=None) -> 
     import time
 
     now = time.time() if now is None else now
-    lines = [
-        f"state: stopped (CT {vmid}{': ' + pct_status if pct_status else ''}); nothing in it runs or holds a GPU"
-    ]
+    lines = [f"state: stopped (CT {vmid}{': ' + pct_status if pct_status else ''}); nothing in it runs or holds a GPU"]
     s, run = (last or {}).get("status") or {}, (last or {}).get("run") or {}
     if not last or not last.get("seen"):
         lines.append(

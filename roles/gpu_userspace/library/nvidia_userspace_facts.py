@@ -101,9 +101,7 @@ def smi_driver_version(command, timeout):
     if binary is None:
         return "", f"{command} not found (the userspace driver is not installed)"
     try:
-        proc = run_bounded(
-            [binary, "--query-gpu=driver_version", "--format=csv,noheader"], timeout, what=command
-        )
+        proc = run_bounded([binary, "--query-gpu=driver_version", "--format=csv,noheader"], timeout, what=command)
     except CommandTimeout as exc:
         return "", f"{exc}: it did not answer (a GPU error, see dmesg on the host)"
     except OSError as exc:

@@ -87,9 +87,7 @@ def select_gpus(found, gpus):
     if gpus in ("all", None):
         return [by_index[n] for n in sorted(by_index)]
     if isinstance(gpus, (str, bytes)) or not isinstance(gpus, (list, tuple)):
-        raise AnsibleFilterError(
-            f"gpus must be 'all' or a list of GPU numbers such as [0, 1, 2, 3], not {gpus!r}"
-        )
+        raise AnsibleFilterError(f"gpus must be 'all' or a list of GPU numbers such as [0, 1, 2, 3], not {gpus!r}")
     out = []
     for item in gpus:
         try:
@@ -98,9 +96,7 @@ def select_gpus(found, gpus):
             raise AnsibleFilterError(f"gpus: {item!r} is not a GPU number (0 for /dev/nvidia0)") from None
         if number not in by_index:
             have = ", ".join(str(n) for n in sorted(by_index)) or "none"
-            raise AnsibleFilterError(
-                f"gpus: GPU {number} (/dev/nvidia{number}) is not on the node; it has GPUs {have}"
-            )
+            raise AnsibleFilterError(f"gpus: GPU {number} (/dev/nvidia{number}) is not on the node; it has GPUs {have}")
         if by_index[number] in out:
             raise AnsibleFilterError(f"gpus: GPU {number} is listed twice")
         out.append(by_index[number])

@@ -138,9 +138,7 @@ def rdma_devices(names):
     ['/dev/infiniband/uverbs2', '/dev/infiniband/uverbs10', '/dev/infiniband/rdma_cm']
     """
     verbs = sorted((n for n in names if re.fullmatch(r"uverbs\d+", n)), key=lambda n: int(n[6:]))
-    return ["/dev/infiniband/" + n for n in verbs] + (
-        ["/dev/infiniband/rdma_cm"] if "rdma_cm" in names else []
-    )
+    return ["/dev/infiniband/" + n for n in verbs] + (["/dev/infiniband/rdma_cm"] if "rdma_cm" in names else [])
 
 
 def find_first(root, dirs, name):

@@ -100,10 +100,35 @@ def playbook_process(pid: int | None = None, proc: str = "/proc") -> int:
 
 def playbooks_in(argv: list[str]) -> str:
     """The playbook files on an ansible-playbook command line (not the values of -i, -e, ...)."""
-    takes_value = {"-i", "--inventory", "--inventory-file", "-e", "--extra-vars", "--vault-password-file",
-                   "--vault-id", "-l", "--limit", "-t", "--tags", "--skip-tags", "-u", "--user", "-c",
-                   "--connection", "-f", "--forks", "-M", "--module-path", "--private-key", "--key-file",
-                   "--start-at-task", "-T", "--timeout", "--become-method", "--become-user"}  # fmt: skip
+    takes_value = {
+        "-i",
+        "--inventory",
+        "--inventory-file",
+        "-e",
+        "--extra-vars",
+        "--vault-password-file",
+        "--vault-id",
+        "-l",
+        "--limit",
+        "-t",
+        "--tags",
+        "--skip-tags",
+        "-u",
+        "--user",
+        "-c",
+        "--connection",
+        "-f",
+        "--forks",
+        "-M",
+        "--module-path",
+        "--private-key",
+        "--key-file",
+        "--start-at-task",
+        "-T",
+        "--timeout",
+        "--become-method",
+        "--become-user",
+    }
     found, skip = [], False
     for arg in argv[1:]:
         if skip:
@@ -149,9 +174,7 @@ def identity(proc: str = "/proc") -> dict:
         "host": host,
         "pid": pid,
         "pid_start": start,
-        "started": round(btime + start / os.sysconf("SC_CLK_TCK"), 2)
-        if start is not None and btime
-        else None,
+        "started": round(btime + start / os.sysconf("SC_CLK_TCK"), 2) if start is not None and btime else None,
         "boot_id": (_read(f"{proc}/sys/kernel/random/boot_id") or "").strip(),
         "pidns": pid_namespace(),
         "playbook": playbooks_in(cmdline(pid, proc) or []),
@@ -175,8 +198,11 @@ def holder_gone(holder: dict | None, me: dict | None = None, proc: str = "/proc"
     if holder.get("host") != me["host"]:
         return verdict(False, False, f"held from another controller ({who}); only its lease can end it")
     if not holder.get("boot_id") or holder.get("boot_id") != me["boot_id"]:
-        return verdict(False, False, f"held from {who} in another boot (or another machine with its name); "
-                                     "only its lease can end it")  # fmt: skip
+        return verdict(
+            False,
+            False,
+            f"held from {who} in another boot (or another machine with its name); only its lease can end it",
+        )
     if holder.get("pidns") != me["pidns"]:
         return verdict(False, False, f"held from {who} in another pid namespace; only its lease can end it")
     st = proc_stat(int(pid), proc)

@@ -68,9 +68,7 @@ def parse_lengths(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError as e:
-        raise ConfigError(
-            f"--lengths {text!r} is not a comma-separated list of integers, e.g. 8192,16384"
-        ) from e
+        raise ConfigError(f"--lengths {text!r} is not a comma-separated list of integers, e.g. 8192,16384") from e
     bad = [v for v in values if not SEQ_MULTIPLE.holds(v)]
     if bad or not values:
         raise ConfigError(f"--lengths {text!r}: {bad or 'nothing'} {SEQ_MULTIPLE.says}")
@@ -78,7 +76,6 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eagle3 import config
     from eagle3.helptext import HelpFormatter
 
     p = argparse.ArgumentParser(
@@ -87,9 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", metavar="FILE",
-                     help="trainer config (YAML; max_seq_len: auto allowed); its dataset index gives the shape")  # fmt: skip
+    src.add_argument(
+        "--config",
+        metavar="FILE",
+        help="trainer config (YAML; max_seq_len: auto allowed); its dataset index gives the shape",
+    )
     src.add_argument("--shape", choices=sorted(SHAPES), help="a named drafter shape")
+    _run_arguments(p)
+    _trainer_arguments(p)
+    _output_arguments(p)
+    return p
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """The drafter's shape, the ranks and the memory the plan is for."""
     for name in (
         "hidden-size",
         "num-heads",
@@ -98,42 +106,99 @@ def build_parser() -> argparse.ArgumentParser:
         "draft-vocab-size",
         "target-vocab-size",
     ):
-        p.add_argument(f"--{name}", type=int, metavar="INT",
-                       help="override one dimension of --shape (or give all six)")  # fmt: skip
-    p.add_argument("--num-kv-heads", type=int, default=None, metavar="INT",
-                   help="key/value heads, grouped-query attention (default: the config's, else num-heads)")  # fmt: skip
-    p.add_argument("--ttt-steps", type=int, default=None, metavar="INT",
-                   help=f"TTT steps (default: the config's, else {TTT_STEPS})")  # fmt: skip
-    p.add_argument("--world-size", type=int, default=None, metavar="INT",
-                   help="ranks (GPUs) in the run (default: nnodes x nproc-per-node, else 1)")  # fmt: skip
-    p.add_argument("--nnodes", type=int, default=1, metavar="INT", help="nodes (torchrun agents) in the run")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="INT",
-                   help="ranks (GPUs) per node (default: world-size / nnodes)")  # fmt: skip
-    p.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
-                   help="memory per GPU in GiB (default: the config's memory_limit_gb)")  # fmt: skip
+        p.add_argument(f"--{name}", type=int, metavar="INT", help="override one dimension of --shape (or give all six)")
     p.add_argument(
-        "--margin", type=float, default=0.1, metavar="FRACTION", help="fraction of memory kept free"
+        "--num-kv-heads",
+        type=int,
+        default=None,
+        metavar="INT",
+        help="key/value heads, grouped-query attention (default: the config's, else num-heads)",
     )
-    # Options shared with the trainer: their meaning and choices come from the config declaration.
+    p.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=None,
+        metavar="INT",
+        help=f"TTT steps (default: the config's, else {TTT_STEPS})",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="INT",
+        help="ranks (GPUs) in the run (default: nnodes x nproc-per-node, else 1)",
+    )
+    p.add_argument("--nnodes", type=int, default=1, metavar="INT", help="nodes (torchrun agents) in the run")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="INT",
+        help="ranks (GPUs) per node (default: world-size / nnodes)",
+    )
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory per GPU in GiB (default: the config's memory_limit_gb)",
+    )
+    p.add_argument("--margin", type=float, default=0.1, metavar="FRACTION", help="fraction of memory kept free")
+
+
+def _trainer_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared with the trainer: their meaning and choices come from the config declaration."""
+    from eagle3 import config
+
     shared = "(default: the config's, else the trainer default)"
-    p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, metavar="MODE",
-                   type=lambda v: config.coerce_value("activation_checkpointing", v),
-                   help=f"{config.SPECS['activation_checkpointing'].help}; alone: true {shared}")  # fmt: skip
+    p.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="MODE",
+        type=lambda v: config.coerce_value("activation_checkpointing", v),
+        help=f"{config.SPECS['activation_checkpointing'].help}; alone: true {shared}",
+    )
     p.add_argument("--fsdp", action="store_true", default=None, help=f"{config.SPECS['fsdp'].help} {shared}")
     p.add_argument(
-        "--device", choices=[c for c in config.choices("device") if c != "auto"], default=None,
+        "--device",
+        choices=[c for c in config.choices("device") if c != "auto"],
+        default=None,
         help="where the trainer runs (default: the config's, resolved on this machine; else cuda)",
-    )  # fmt: skip
+    )
     for key in ("dtype", "attention", "shard_layout"):
-        p.add_argument("--" + key.replace("_", "-"), choices=config.choices(key), default=None,
-                       help=f"{config.SPECS[key].help} {shared}")  # fmt: skip
-    p.add_argument("--context-parallel", type=context_parallel_arg, default=None, metavar="N|auto",
-                   help=f"{config.SPECS['context_parallel'].help}; auto: the smallest that fits the length asked "
-                   f"for {shared}")  # fmt: skip
-    p.add_argument("--max-seq-len", type=int, default=None, metavar="INT",
-                   help="the length --context-parallel auto must fit (default: see above)")  # fmt: skip
-    p.add_argument("--loss-chunk-size", type=int, default=None, metavar="INT",
-                   help=f"{config.SPECS['loss_chunk_size'].help} {shared}")  # fmt: skip
+        p.add_argument(
+            "--" + key.replace("_", "-"),
+            choices=config.choices(key),
+            default=None,
+            help=f"{config.SPECS[key].help} {shared}",
+        )
+    p.add_argument(
+        "--context-parallel",
+        type=context_parallel_arg,
+        default=None,
+        metavar="N|auto",
+        help=f"{config.SPECS['context_parallel'].help}; auto: the smallest that fits the length asked for {shared}",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="INT",
+        help="the length --context-parallel auto must fit (default: see above)",
+    )
+    p.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        default=None,
+        metavar="INT",
+        help=f"{config.SPECS['loss_chunk_size'].help} {shared}",
+    )
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
+    """What the plan reserves, which lengths it tabulates, the GPU probe and the output format."""
     p.add_argument(
         "--reserve-gb",
         type=float,
@@ -141,17 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="memory torch does not count, GiB (default: 1.0 on cuda, 1 + 1/16 per thread on cpu)",
     )
-    p.add_argument("--lengths", default=None, metavar="N,N,...",
-                   help=f"lengths for the table, e.g. 8192,16384,32768 (default: {','.join(map(str, DEFAULT_LENGTHS))})")  # fmt: skip
     p.add_argument(
-        "--probe", action="store_true", help="confirm with real steps on this GPU (skipped without CUDA)"
+        "--lengths",
+        default=None,
+        metavar="N,N,...",
+        help=f"lengths for the table, e.g. 8192,16384,32768 (default: {','.join(map(str, DEFAULT_LENGTHS))})",
     )
+    p.add_argument("--probe", action="store_true", help="confirm with real steps on this GPU (skipped without CUDA)")
     p.add_argument("--probe-lengths", default="4096,8192", metavar="N,N", help="the two probe lengths")
-    p.add_argument(
-        "--cache-dir", default=None, metavar="DIR", help="probe cache (default: ~/.cache/eagle3/plan)"
-    )
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help="probe cache (default: ~/.cache/eagle3/plan)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the Ansible role parses it)")
-    return p
 
 
 def context_parallel_arg(text: str) -> int | str:
@@ -181,11 +245,7 @@ def resolve_ranks(world_size: int | None, nnodes: int, nproc_per_node: int | Non
     ...
     eagle3.errors.ConfigError: --world-size 6 is not --nnodes 2 x --nproc-per-node 4 = 8; give one or make them agree
     """
-    if (
-        nnodes < 1
-        or (nproc_per_node is not None and nproc_per_node < 1)
-        or (world_size is not None and world_size < 1)
-    ):
+    if nnodes < 1 or (nproc_per_node is not None and nproc_per_node < 1) or (world_size is not None and world_size < 1):
         raise ConfigError(
             f"--nnodes {nnodes}, --nproc-per-node {nproc_per_node}, --world-size {world_size}: each must be at least 1"
         )
@@ -233,18 +293,14 @@ def spec_from_args(args) -> tuple[RunSpec, float]:
     )
     if args.context_parallel == "auto":
         cfg = dataclasses.replace(cfg, context_parallel=1)  # chosen once the budget is known (main)
-        args.asked_len = args.max_seq_len or _asked_length(
-            args, cfg if args.config and not msl_auto else None, longest
-        )
+        args.asked_len = args.max_seq_len or _asked_length(args, cfg if args.config and not msl_auto else None, longest)
     validate(cfg)  # the trainer's own checks of what the command line changed (ttt_steps >= 1, ...)
     spec = spec_of(drafter, cfg, device, args.world_size, args.nnodes, data_bytes)
     if args.reserve_gb is not None:
         spec = dataclasses.replace(spec, reserve_gib=args.reserve_gb)
     memory = args.memory_gb if args.memory_gb is not None else memory
     if memory is None:
-        raise ConfigError(
-            "no memory budget: pass --memory-gb (GiB per GPU) or set memory_limit_gb in the config"
-        )
+        raise ConfigError("no memory budget: pass --memory-gb (GiB per GPU) or set memory_limit_gb in the config")
     return spec, memory
 
 
@@ -266,8 +322,7 @@ def _named_or_given_shape(args):
     if all(getattr(args, d) for d in SHAPE_KEYS):
         return SHAPES["tiny"]  # every dimension is replaced by the command line's
     raise ConfigError(
-        "give --config FILE, --shape NAME, or all six of --"
-        + ", --".join(d.replace("_", "-") for d in SHAPE_KEYS)
+        "give --config FILE, --shape NAME, or all six of --" + ", --".join(d.replace("_", "-") for d in SHAPE_KEYS)
     )
 
 
@@ -298,9 +353,7 @@ def format_table(plan: Plan) -> str:
         f"{'max_seq_len':>12}  {'predicted GiB':>13}  fits",
     ]
     for row in plan.table:
-        lines.append(
-            f"{row['max_seq_len']:>12}  {row['predicted_gb']:>13.1f}  {'yes' if row['fits'] else 'no'}"
-        )
+        lines.append(f"{row['max_seq_len']:>12}  {row['predicted_gb']:>13.1f}  {'yes' if row['fits'] else 'no'}")
     lines.append(
         f"largest fitting: max_seq_len={plan.max_seq_len} ({plan.predicted_gb:.2f} GiB predicted, {plan.source})"
     )
@@ -320,11 +373,7 @@ def format_table(plan: Plan) -> str:
                 if run.device == "cpu" and plan.loss_chunk_size == cpu_heap_chunk(d, plan.max_seq_len)
                 else " (memory needs the chunked loss)"
             )
-            + (
-                f"; the config has {run.loss_chunk_size}"
-                if run.loss_chunk_size != plan.loss_chunk_size
-                else ""
-            )
+            + (f"; the config has {run.loss_chunk_size}" if run.loss_chunk_size != plan.loss_chunk_size else "")
         )
     return "\n".join(lines)
 
@@ -358,15 +407,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = make_plan(spec, memory_gb=memory, margin=args.margin, lengths=lengths)
         plan.context_parallel_table = cp_table
         if args.probe and spec.run.context_parallel > 1:
-            print(
-                "probe skipped: it runs one rank, and a context-parallel row needs its group", file=sys.stderr
-            )
+            print("probe skipped: it runs one rank, and a context-parallel row needs its group", file=sys.stderr)
         elif args.probe:
             try:
                 result = probe(
-                    spec, memory_gb=memory, margin=args.margin, lengths=parse_lengths(args.probe_lengths),
+                    spec,
+                    memory_gb=memory,
+                    margin=args.margin,
+                    lengths=parse_lengths(args.probe_lengths),
                     cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-                )  # fmt: skip
+                )
             except ProbeUnavailable as e:
                 print(f"probe skipped: {e}", file=sys.stderr)
             else:

@@ -138,9 +138,7 @@ def make_plan(
     if not 0.0 <= margin < 1.0:
         raise ConfigError(f"margin={margin} must be in [0, 1), for example 0.1 (keep 10 % free)")
     if memory_gb <= 0:
-        raise ConfigError(
-            f"memory_gb={memory_gb} must be positive: the memory of one GPU in GiB, for example 96"
-        )
+        raise ConfigError(f"memory_gb={memory_gb} must be positive: the memory of one GPU in GiB, for example 96")
     predict = predict or (lambda s: predict_peak_bytes(spec, s))
     budget = budget_bytes(memory_gb, margin)
     fixed = static_bytes(spec) + int(spec.reserve_gib * GIB)
@@ -282,11 +280,12 @@ def context_parallel_choice(spec: RunSpec, budget: int, target: int | None) -> t
     table = []
     for cp in context_parallel_sizes(spec, target):
         candidate = spec.with_run(context_parallel=cp)
-        largest = largest_fitting(
-            lambda s, c=candidate: predict_peak_bytes(c, s), budget, step=math.lcm(SEQ_BLOCK, cp)
-        )
-        row = {"context_parallel": cp, "max_seq_len": largest,
-               "predicted_gb": round(predict_peak_bytes(candidate, largest) / GIB, 3) if largest else None}  # fmt: skip
+        largest = largest_fitting(lambda s, c=candidate: predict_peak_bytes(c, s), budget, step=math.lcm(SEQ_BLOCK, cp))
+        row = {
+            "context_parallel": cp,
+            "max_seq_len": largest,
+            "predicted_gb": round(predict_peak_bytes(candidate, largest) / GIB, 3) if largest else None,
+        }
         if target:
             peak = predict_peak_bytes(candidate, target)
             row |= {"target_gb": round(peak / GIB, 3), "fits_target": peak <= budget}

@@ -39,9 +39,7 @@ DEFAULT_LENGTHS = (4096, 8192, 16384, 24576, 32768, 49152, 65536)
 EXACT_BLOCK = 256
 
 
-def on_cuda(
-    drafter: DrafterConfig, world_size: int = 1, nodes: int = 1, data_bytes: int = 2, **config
-) -> RunSpec:
+def on_cuda(drafter: DrafterConfig, world_size: int = 1, nodes: int = 1, data_bytes: int = 2, **config) -> RunSpec:
     """A drafter on CUDA under trainer config keys, the trainer's defaults otherwise (bf16 autocast, flex attention,
     no checkpointing, loss chunks of 4096): the examples here use it."""
     return spec_for(drafter, world_size, nodes, data_bytes, device="cuda", **config)
@@ -264,9 +262,14 @@ def mla_held_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str, int]:
     latent_norm = (FP32 * m.kv_lora_rank if spec.run.autocast else FP32 * m.latent_dim) + lp * m.kv_lora_rank
     keys = kv_width(spec) * (1 if spec.run.attention == "exact" else step + 1)
     per_token = (
-        q_low + lp * heads * m.qk_head_dim + lp * heads * m.latent_dim + latent_norm + lp * keys
-        + lp * heads * m.latent_dim + lp * heads * m.v_head_dim
-    )  # fmt: skip
+        q_low
+        + lp * heads * m.qk_head_dim
+        + lp * heads * m.latent_dim
+        + latent_norm
+        + lp * keys
+        + lp * heads * m.latent_dim
+        + lp * heads * m.v_head_dim
+    )
     return {"qkv_input": s * input_casts(spec) * 2 * d.hidden_size * lp, "attention": s * per_token}
 
 
@@ -331,9 +334,7 @@ def checkpointed_step_terms(spec: RunSpec, seq_len: int, step: int) -> dict[str,
         "rope_tables": s * 2 * FP32 * spec.drafter.rope_dim,
         "token_ids": seq_len * 8,  # the shifted ids of the whole row (a rank's slots are a view of them)
         "loss_weight": s * FP32,
-        "loss_grad": s
-        * lp
-        * spec.drafter.hidden_size,  # FusedKL: the gradient of the step output, made in forward
+        "loss_grad": s * lp * spec.drafter.hidden_size,  # FusedKL: the gradient of the step output, made in forward
         "norm_output": norm_output_bytes(spec, seq_len) if step and spec.drafter.norm_output else 0,
     }
 
@@ -346,9 +347,7 @@ def activation_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
         if mode != "none":
             step_terms = checkpointed_step_terms(spec, seq_len, step)
             if mode == "selective":  # eagle3.model SAVED_OPS: the outputs of the layer's matmuls
-                step_terms["kept_matmuls"] = (
-                    local_len(spec, seq_len) * spec.act_bytes * kept_matmul_width(spec.drafter)
-                )
+                step_terms["kept_matmuls"] = local_len(spec, seq_len) * spec.act_bytes * kept_matmul_width(spec.drafter)
         else:
             step_terms = step_held_terms(spec, seq_len, step)
         for name, value in step_terms.items():
@@ -435,9 +434,7 @@ def transient_terms(spec: RunSpec, seq_len: int) -> dict[str, int]:
     lp, s, k = spec.act_bytes, local_len(spec, seq_len), spec.run.ttt_steps - 1
     chunk = min(spec.run.loss_chunk_size or s, s)
     grad_h = s * lp * h
-    one_pass = (
-        spec.run.loss_chunk_size == 0 or spec.run.loss_chunk_size >= s
-    )  # model.py: the target side once per row
+    one_pass = spec.run.loss_chunk_size == 0 or spec.run.loss_chunk_size >= s  # model.py: the target side once per row
     shared = FP32 * s * spec.drafter.draft_vocab_size if one_pass else 0
     per_element = 4 * FP32 + (1 if spec.run.lk_weight > 0 else 0)
     loss_chunk = per_element * chunk * spec.drafter.draft_vocab_size + shared
