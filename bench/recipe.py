@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "training"))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from acceptance import chats  # noqa: E402  (the same conversations as bench/acceptance.py)
+from acceptance import chats, train_argv  # noqa: E402  (the conversations and the recipe of bench/acceptance.py)
 from eagle3.acceptance import bootstrap_ci, tau_of  # noqa: E402
 from eagle3.evaluate import evaluate  # noqa: E402
 from eagle3.generate import generate  # noqa: E402
@@ -83,22 +83,8 @@ def datasets(work: Path, target: Path, conversations: int, quiet: dict) -> tuple
 
 def train(run: Path, data: Path, steps: int, seed: int, flags: list[str]) -> float:
     started = time.monotonic()
-    recipe = {
-        "data_dir": data,
-        "run_dir": run,
-        "max_seq_len": 2048,
-        "max_steps": steps,
-        "warmup_steps": 20,
-        "lr": "3e-3",
-        "ttt_steps": 3,
-        "checkpoint_every": steps,
-        "val_every": steps,
-        "seed": seed,
-        "device": "cpu",
-        "dtype": "fp32",
-    }
-    argv = [sys.executable, "-m", "eagle3", "train", *(x for k, v in recipe.items() for x in (f"--{k}", str(v)))]
-    proc = subprocess.run([*argv, *flags], cwd=ROOT / "training", capture_output=True, text=True)
+    argv = train_argv(data, run, steps, steps, ["--seed", str(seed), *flags])  # bench/acceptance.py's recipe
+    proc = subprocess.run(argv, cwd=ROOT / "training", capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{run.name}: training failed\n{proc.stderr[-3000:]}")
     return time.monotonic() - started
