@@ -90,6 +90,46 @@ def train(run: Path, data: Path, steps: int, seed: int, flags: list[str]) -> flo
     return time.monotonic() - started
 
 
+def measure(name: str, seeds: list[int], work: Path, target: Path, data: dict, held: Path, args) -> tuple:
+    """One variant over the seeds (a finished run's evaluation is read back, not made again): (name, tau_real per
+    seed, pooled tau_real, its 95 % interval, the validation's simulated tau per seed)."""
+    flags, dataset = VARIANTS[name]
+    pooled, taus, sims = [], [], []
+    for seed in seeds:
+        run = work / f"run-{name.replace(' ', '-').replace('+', '-')}-seed{seed}"
+        result_file = run / "recipe-evaluation.json"
+        if result_file.exists():
+            result = json.loads(result_file.read_text())
+        else:
+            seconds = train(run, data[dataset], args.steps, seed, flags)
+            quiet = {"log": lambda *a, **k: None}
+            result = evaluate(
+                target,
+                run,
+                held,
+                k=3,
+                max_new=args.max_new,
+                prompts=args.prompts,
+                baseline=False,
+                checkpoint="latest",
+                **quiet,
+            )
+            result["train_seconds"] = seconds
+            result_file.write_text(json.dumps(result))
+        pooled += [(p["tokens"] - 1, p["rounds"]) for p in result["per_prompt"]]
+        taus.append(result["tau_real"])
+        sims.append(result.get("tau_simulated"))
+        ci = result.get("tau_real_ci95") or [float("nan")] * 2
+        sim = "-" if result.get("tau_simulated") is None else f"{result['tau_simulated']:.3f}"
+        print(
+            f"{name} seed {seed}: tau_real {result['tau_real']:.3f} (95 % CI {ci[0]:.3f}-{ci[1]:.3f}), simulated {sim}, "
+            f"exact {result['exact']}, trained in {result['train_seconds']:.0f} s",
+            flush=True,
+        )
+    tokens, rounds = sum(t for t, _ in pooled), sum(r for _, r in pooled)
+    return name, taus, tau_of(tokens, 0, rounds), bootstrap_ci(pooled), sims
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -110,49 +150,19 @@ def main() -> int:
     quiet = {"log": lambda *a, **k: None}
     target = cached(**quiet)
     data, held = datasets(work, target, args.conversations, quiet)
-    rows = []
-    for name in names:
-        flags, dataset = VARIANTS[name]
-        pooled, taus = [], []
-        for seed in seeds:
-            run = work / f"run-{name.replace(' ', '-').replace('+', '-')}-seed{seed}"
-            result_file = run / "recipe-evaluation.json"
-            if result_file.exists():
-                result = json.loads(result_file.read_text())
-            else:
-                seconds = train(run, data[dataset], args.steps, seed, flags)
-                result = evaluate(
-                    target,
-                    run,
-                    held,
-                    k=3,
-                    max_new=args.max_new,
-                    prompts=args.prompts,
-                    baseline=False,
-                    checkpoint="latest",
-                    **quiet,
-                )
-                result["train_seconds"] = seconds
-                result_file.write_text(json.dumps(result))
-            per = [(p["tokens"] - 1, p["rounds"]) for p in result["per_prompt"]]
-            pooled += per
-            taus.append(result["tau_real"])
-            ci = result.get("tau_real_ci95") or [float("nan")] * 2
-            print(
-                f"{name} seed {seed}: tau_real {result['tau_real']:.3f} (95 % CI {ci[0]:.3f}-{ci[1]:.3f}), "
-                f"exact {result['exact']}, trained in {result['train_seconds']:.0f} s",
-                flush=True,
-            )
-        tokens, rounds = sum(t for t, _ in pooled), sum(r for _, r in pooled)
-        rows.append((name, taus, tau_of(tokens, 0, rounds), bootstrap_ci(pooled)))
+    rows = [measure(name, seeds, work, target, data, held, args) for name in names]
     print(
         f"\nrecipe on the tiny target: {args.steps} steps, seeds {args.seeds}, {args.prompts} held-out prompts x "
         f"{args.max_new} tokens, K = 3 (exact greedy speculative decoding)"
     )
-    print(f"{'variant':<22} {'tau_real per seed':<22} {'pooled':>7} {'95 % CI (pooled)':>18}")
-    for name, taus, tau, ci in rows:
+    print(
+        f"{'variant':<22} {'tau_real per seed':<22} {'pooled':>7} {'95 % CI (pooled)':>17} {'simulated':>10} {'sim/real':>8}"
+    )
+    for name, taus, tau, ci, sims in rows:
         per_seed = " / ".join(f"{t:.3f}" for t in taus)
-        print(f"{name:<22} {per_seed:<22} {tau:>7.3f} {ci[0]:>8.3f}-{ci[1]:.3f}")
+        sim = sum(sims) / len(sims) if all(v is not None for v in sims) else None
+        sim_text = f"{sim:>10.3f} {sim / (sum(taus) / len(taus)) - 1:>+8.1%}" if sim else f"{'-':>10} {'-':>8}"
+        print(f"{name:<22} {per_seed:<22} {tau:>7.3f} {ci[0]:>8.3f}-{ci[1]:.3f} {sim_text}")
     print(f"\nwork folder: {work}")
     return 0
 
