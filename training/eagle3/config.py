@@ -221,6 +221,10 @@ class TrainConfig:
     norm_before_residual: bool = option(
         False, "the decoder layer's residual is the normed hidden half (vLLM assumes true when absent)"
     )
+    train_lm_head: bool = option(
+        False,
+        "train the drafter's LM head (its rows start as the target's); false keeps them frozen (SpecForge trains it)",
+    )
     # Multi-head latent attention (DeepSeek-V3's, for Kimi/DeepSeek targets): kv_lora_rank > 0 selects it.
     kv_lora_rank: int = option(0, "MLA latent width; 0: Llama-style q/k/v attention", bound=NON_NEGATIVE)
     q_lora_rank: int = option(0, "MLA low-rank query width; 0: queries projected directly", bound=NON_NEGATIVE)

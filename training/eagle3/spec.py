@@ -415,6 +415,7 @@ def drafter_config(cfg: TrainConfig, index) -> DrafterConfig:
         fc_norm=cfg.fc_norm,
         norm_output=cfg.norm_output,
         norm_before_residual=cfg.norm_before_residual,
+        train_lm_head=cfg.train_lm_head,
         **{key: getattr(cfg, key) for key in MLA_KEYS},
         **verifier_settings(cfg, index.meta),
     )

@@ -327,3 +327,20 @@ def test_selective_checkpointing_runs_under_bf16_autocast(make_model, make_row, 
     torch.testing.assert_close(results["selective"][0], results["full"][0], rtol=1e-3, atol=1e-3)
     for name, grad in results["full"][1].items():
         torch.testing.assert_close(results["selective"][1][name], grad, rtol=2e-2, atol=2e-3, msg=name)
+
+
+def test_train_lm_head_is_a_config_key_that_reaches_the_drafter():
+    """`train_lm_head: true` (the trainer config) makes the drafter's head trainable; the default keeps it frozen."""
+    import types
+
+    from eagle3.config import TrainConfig
+    from eagle3.spec import drafter_config
+
+    index = types.SimpleNamespace(
+        hidden_size=64, draft_vocab_size=512, target_vocab_size=1024, aux_layer_ids=(2, 4, 5), meta={}
+    )
+    for value in (False, True):
+        shape = drafter_config(TrainConfig(data_dir="-", run_dir="-", train_lm_head=value), index)
+        with torch.device("meta"):
+            model = Eagle3Drafter(shape)
+        assert model.lm_head.weight.requires_grad is value
