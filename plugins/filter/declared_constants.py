@@ -57,17 +57,27 @@ def target_module(module_name: str):
     return sys.modules[key]
 
 
+def trainer_module(module_name: str):
+    """The trainer's eagle3/MODULE.py (its torch-free modules: config, bounds, errors, options), imported from
+    training/ on the controller: where the controller side reads what the trainer declares.
+
+    >>> trainer_module("bounds").SEQ_BLOCK
+    128
+    """
+    training = str(ROOT / "training")
+    if training not in sys.path:
+        sys.path.insert(0, training)
+    return importlib.import_module(f"eagle3.{module_name}")
+
+
 def trainer_constant(name: str):
-    """The value the trainer's eagle3/MODULE.py declares as NAME (its torch-free modules: config, errors, options).
+    """The value the trainer's eagle3/MODULE.py declares as NAME (trainer_module).
 
     >>> trainer_constant("config.SEQ_BLOCK")
     128
     """
     module_name, attr = _split(name, "config.SEQ_BLOCK")
-    training = str(ROOT / "training")
-    if training not in sys.path:
-        sys.path.insert(0, training)
-    return copy.deepcopy(getattr(importlib.import_module(f"eagle3.{module_name}"), attr))
+    return copy.deepcopy(getattr(trainer_module(module_name), attr))
 
 
 class FilterModule:

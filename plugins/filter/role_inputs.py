@@ -29,6 +29,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
+from declared_constants import trainer_module
 from input_grammar import BOOL_ALLOWED, allowed_text, as_bool, as_float, as_int, check_kind, show
 from role_variables import PLAYBOOK_NAMES, ROLE_FACTS, ROLE_VARIABLES
 
@@ -211,12 +212,7 @@ def _check_dict(name: str, value, spec: dict) -> str | None:
 
 def trainer():
     """The trainer's config module (training/eagle3/config.py: torch-free, its key declaration and checks)."""
-    training = str(ROOT / "training")
-    if training not in sys.path:
-        sys.path.insert(0, training)
-    from eagle3 import config
-
-    return config
+    return trainer_module("config")
 
 
 def trainer_config_errors(config: dict, overrides: dict, max_seq_len) -> list[str]:

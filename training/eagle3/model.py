@@ -502,7 +502,7 @@ def _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_
         supervised, count = sup[step]
         n = supervised.shape[0]
         _, kl, draft_ids = _joined(loss, kls[step], ids[step], last_hidden)
-        alpha = torch.cat(alphas[step]) if alphas[step] else kl
+        alpha = torch.cat(alphas[step]) if alphas[step] else torch.zeros_like(kl)  # a row without positions
         target_slot = torch.arange(n, device=device) + 1 + step
         right = draft_ids == restricted_ids[target_slot]  # [n]
         right_true = (draft_ids + model.d2t[draft_ids]) == true_ids[target_slot]  # [n]

@@ -12,6 +12,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+# The project's filter plugins (plugins/filter): declared_constants knows where the trainer is.
+_FILTERS = str(Path(__file__).resolve().parents[3] / "plugins" / "filter")
+if _FILTERS not in sys.path:
+    sys.path.insert(0, _FILTERS)
+
+from declared_constants import trainer_module  # noqa: E402
+
 
 def seq_len_refusal(plan: dict, requested, memory_source: str = "") -> str:
     """Why an explicit max_seq_len cannot run, from `python -m eagle3 plan --json --lengths N` (empty: it fits).
@@ -68,16 +75,6 @@ def seq_len_refusal(plan: dict, requested, memory_source: str = "") -> str:
     )
 
 
-def _trainer_options():
-    """The trainer's run options module (training/eagle3/options.py: torch-free), where the rule is stated."""
-    training = str(Path(__file__).resolve().parents[3] / "training")
-    if training not in sys.path:
-        sys.path.insert(0, training)
-    from eagle3 import errors, options
-
-    return options, errors
-
-
 def context_parallel_refusal(cp, world_size, nnodes=1, msl="auto") -> str:
     """Why a context_parallel cannot split the run's rows (empty: it can, or it is auto, which the planner picks):
     the trainer's own check (eagle3.options.check_context_parallel: it must divide the run's workers and an explicit
@@ -98,7 +95,7 @@ def context_parallel_refusal(cp, world_size, nnodes=1, msl="auto") -> str:
         return ""
     world, nodes = int(str(world_size).strip()), int(str(nnodes).strip() or 1)
     length = str(msl).strip().lower()
-    options, errors = _trainer_options()
+    options, errors = trainer_module("options"), trainer_module("errors")
     try:
         options.check_context_parallel(int(text), world, int(length) if length.isdigit() else None, nodes)
     except errors.ConfigError as e:
