@@ -106,6 +106,11 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "eagle3_datagen_regenerate": {"kind": "bool"},
         "eagle3_datagen_temperature": {"kind": "float", "min": 0},
         "eagle3_datagen_seed": {"kind": "int", "min": 0},
+        "eagle3_datagen_engine": {"kind": "raw", "why": "its choices (meta/argument_specs.yml)"},
+        "eagle3_datagen_vllm_args": {
+            "kind": "raw",
+            "why": "a dict (meta/argument_specs.yml), checked by eagle3 generate",
+        },
         "eagle3_datagen_prefix": {"kind": "owned_dir"},
         "eagle3_datagen_venv": {"kind": "owned_dir"},
         "eagle3_datagen_timeout": {"kind": "int", "min": 1},
@@ -119,6 +124,11 @@ ROLE_VARIABLES: dict[str, dict[str, dict]] = {
         "eagle3_evaluate_k": {"kind": "int", "min": 1, "max": 16},
         "eagle3_evaluate_max_new": {"kind": "int", "min": 1},
         "eagle3_evaluate_prompts": {"kind": "int", "min": 1},
+        "eagle3_evaluate_engine": {"kind": "raw", "why": "its choices (meta/argument_specs.yml)"},
+        "eagle3_evaluate_vllm_args": {
+            "kind": "raw",
+            "why": "a dict (meta/argument_specs.yml), checked by eagle3 evaluate",
+        },
         "eagle3_evaluate_prefix": {"kind": "owned_dir"},
         "eagle3_evaluate_venv": {"kind": "owned_dir"},
         "eagle3_evaluate_timeout": {"kind": "int", "min": 1},

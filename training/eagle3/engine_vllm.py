@@ -10,7 +10,7 @@ tokens; the target's EOS as the stop token; one request at a time, the latency r
 Reported beside the fields `eagle3 evaluate` shares with it: the acceptance length from vLLM's own counters
 (1 + accepted draft tokens / drafting rounds), the acceptance per draft position (conditional, as evaluate's),
 whether both decodings are equal token for token, and tokens/s of both with vLLM's KV cache: the real speed-up
-on the machine it ran on. vLLM is imported here only, and this module only with `--engine vllm`.
+on the machine it ran on. vLLM is imported here and in eagle3/generate_vllm.py only, and those only with `--engine vllm`.
 
 vLLM keeps its metrics in the process-wide Prometheus registry, and an engine started later unregisters the
 earlier one's: read an engine's counters while it is the newest (open_pair starts the drafter's last).
@@ -118,11 +118,20 @@ class VllmEngine:
     """One vLLM engine (its engine-core and worker processes), reaped by PID on close()."""
 
     def __init__(self, target_dir, export_dir=None, k: int = 3, extra: dict | None = None):
+        self._start(engine_arguments(target_dir, export_dir, k, extra), k if export_dir is not None else 0)
+
+    @classmethod
+    def from_arguments(cls, args: dict) -> VllmEngine:
+        """An engine of any LLM(...) arguments (no drafter's counters: k is 0), reaped like the others."""
+        engine = cls.__new__(cls)
+        engine._start(dict(args), 0)
+        return engine
+
+    def _start(self, args: dict, k: int) -> None:
         import psutil
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        args = engine_arguments(target_dir, export_dir, k, extra)
         if current_platform.is_cpu():
             args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
         me = psutil.Process()
@@ -130,7 +139,7 @@ class VllmEngine:
         started = time.perf_counter()
         self.llm = LLM(**args)
         self.start_seconds = time.perf_counter() - started
-        self.k = k if export_dir is not None else 0
+        self.k = k
         # The engine core and its workers. Not multiprocessing's resource tracker, which the first spawn starts
         # for the whole interpreter: it ignores SIGTERM and ends with this process.
         self._procs = [

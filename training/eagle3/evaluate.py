@@ -80,7 +80,7 @@ class TargetRunner:
     """The target's greedy next tokens and the hidden states entering its aux layers, one full forward each."""
 
     def __init__(self, model, aux_layers):
-        from eagle3.generate import HiddenStates
+        from eagle3.target_hooks import HiddenStates
 
         self.model = model
         self.hooks = HiddenStates(model, tuple(aux_layers))
@@ -253,7 +253,7 @@ def evaluate(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3.generate import read_records
+    from eagle3.samples import read_records
     from eagle3.tokenizer import load_tokenizer
 
     if k < 1 or max_new < 1 or prompts < 1:
@@ -399,7 +399,7 @@ def evaluate_vllm(
     `engines` (with, without), started by the caller on this drafter's export and left running, replace the two
     it would start; `drafter_path` then gives the run's step and simulated figure only."""
     from eagle3.engine_vllm import log_line, measure
-    from eagle3.generate import read_records
+    from eagle3.samples import read_records
     from eagle3.tokenizer import load_tokenizer
 
     if k < 1 or max_new < 1 or prompts < 1:

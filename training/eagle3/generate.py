@@ -11,9 +11,9 @@ dataset, and what an EAGLE-3 drafter learns from is written straight into the na
 - the target's config (name, architecture, hidden size, rope, norm epsilon) in index.json, which the trainer's
   drafter and the export take the verifier's values from.
 
-Input: JSONL with `messages` ([{role, content}], the OpenAI layout) or `conversations` ([{from, value}], ShareGPT:
-human/gpt/system), or `text` (all of it supervised); or a plain-text file, one sample per paragraph (blank-line
-separated), all supervised.
+Input: JSONL with `messages` (the OpenAI layout), `conversations` (ShareGPT) or `text`, or a plain-text file, read
+and tokenized by eagle3.samples. The target runs in transformers, or in vLLM with `--engine vllm`
+(eagle3/generate_vllm.py: for targets that need a serving engine to run at all).
 
 Resumable: samples are written in shards of `--shard-samples`, each to a temporary name and renamed when complete,
 in an order fixed by the input; a restart (after kill -9 too) keeps every complete shard and writes the rest, so no
@@ -34,30 +34,19 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import EXIT_OK, EXIT_STORAGE, ConfigError, DataError, StorageError
 from eagle3.regenerate import regenerate
+from eagle3.samples import Sample, build_plan, read_records
 from eagle3.storage import output_writes, storage_line
+from eagle3.target_hooks import HiddenStates, final_norm
 
 SHARD_NAME = "shards/shard_{:05d}.safetensors"
 PLAN_FILE = "generate_plan.json"
 # Tests only: SIGKILL this process right after shard N is in place (the resume test's kill -9).
 FAULT_KILL_ENV = "EAGLE3_FAULT_KILL_AFTER_SHARD"
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
-
-
-@dataclass
-class Sample:
-    input_ids: list[int]
-    loss_mask: list[int]
+ENGINES = ("transformers", "vllm")
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -86,140 +75,11 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return (min(2, middle - 1), middle, max(num_layers - 3, middle + 1))
 
 
-def read_records(path: Path) -> list[dict]:
-    """The samples of a JSONL or plain-text file as records: {"messages": [...]} or {"text": "..."}."""
-    if not path.is_file():
-        raise DataError(f"generate: {path} does not exist")
-    records: list[dict] = []
-    if path.suffix in (".jsonl", ".json"):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not JSON ({e})") from e
-            records.append(_record(row, f"{path}:{n}"))
-    else:
-        records = [{"text": p.strip()} for p in path.read_text().split("\n\n") if p.strip()]
-    if not records:
-        raise DataError(f"generate: {path} holds no samples")
-    return records
-
-
-def _record(row: object, where: str) -> dict:
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: a sample must be a JSON object with messages, conversations or text")
-    if "messages" in row or "conversations" in row:
-        turns = row.get("messages", row.get("conversations"))
-        if not isinstance(turns, list) or not turns:
-            raise DataError(f"{where}: messages must be a non-empty list of turns")
-        messages = []
-        for turn in turns:
-            if not isinstance(turn, dict):
-                raise DataError(f"{where}: a turn must be an object ({turn!r})")
-            role = turn.get("role", SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()))
-            content = turn.get("content", turn.get("value"))
-            if role not in ("system", "user", "assistant") or not isinstance(content, str):
-                raise DataError(
-                    f"{where}: turn {turn!r} needs role system/user/assistant (or from human/gpt/system) and "
-                    "a string content (or value)"
-                )
-            messages.append({"role": role, "content": content})
-        return {"messages": messages}
-    if isinstance(row.get("text"), str):
-        return {"text": row["text"]}
-    raise DataError(f"{where}: no messages, conversations or text in {sorted(row)}")
-
-
-def tokenize(record: dict, tokenizer, max_len: int, where: str = "") -> Sample:
-    """Tokens and loss mask of one record: a conversation through the chat template, the assistant turns
-    supervised; plain text all supervised. Truncated to `max_len` tokens."""
-    if "text" in record:
-        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"][:max_len]
-        return Sample(ids, [1] * len(ids))
-    messages = record["messages"]
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(
-            "generate: the target's tokenizer has no chat template, and the data are conversations; "
-            "give text samples instead, or a target with a chat template"
-        )
-
-    def render(turns, prompt: bool) -> list[int]:
-        out = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=prompt, return_dict=True)
-        return list(out["input_ids"])
-
-    ids = render(messages, False)
-    mask = [0] * len(ids)
-    for i, turn in enumerate(messages):
-        if turn["role"] != "assistant":
-            continue
-        before = render(messages[:i], True)
-        through = render(messages[: i + 1], False)
-        if ids[: len(through)] != through or through[: len(before)] != before:
-            raise DataError(
-                f"generate: {where}: the chat template does not render a conversation as the concatenation of "
-                "its turns, so the assistant tokens cannot be found; give text samples instead"
-            )
-        for j in range(len(before), len(through)):
-            mask[j] = 1
-    return Sample(ids[:max_len], mask[:max_len])
-
-
-def build_plan(records: list[dict], tokenizer, max_len: int) -> list[Sample]:
-    samples = []
-    for n, record in enumerate(records):
-        sample = tokenize(record, tokenizer, max_len, f"sample {n}")
-        if sum(sample.loss_mask) and len(sample.input_ids) >= 2:
-            samples.append(sample)
-    if not samples:
-        raise DataError("generate: no sample has a supervised token (an assistant turn, or text)")
-    return samples
-
-
 def _plan_digest(samples: list[Sample], settings: dict) -> str:
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for s in samples:
         h.update(json.dumps([s.input_ids, s.loss_mask]).encode())
     return h.hexdigest()[:16]
-
-
-class HiddenStates:
-    """Forward pre-hooks that keep the inputs of the aux layers and of the final norm during one forward."""
-
-    def __init__(self, model, aux_layers: tuple[int, int, int]):
-        self.kept: dict[str, object] = {}
-        layers, norm = _decoder_layers(model), _final_norm(model)
-        self.handles = [
-            layers[i].register_forward_pre_hook(self._keep(f"aux{n}"), with_kwargs=True)
-            for n, i in enumerate(aux_layers)
-        ]
-        self.handles.append(norm.register_forward_pre_hook(self._keep("last"), with_kwargs=True))
-
-    def _keep(self, name: str):
-        def hook(_module, args, kwargs):
-            self.kept[name] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _decoder_layers(model):
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ConfigError(f"generate: {type(model).__name__} has no model.layers (a decoder-only causal LM is needed)")
-    return layers
-
-
-def _final_norm(model):
-    norm = getattr(getattr(model, "model", None), "norm", None)
-    if norm is None:
-        raise ConfigError(f"generate: {type(model).__name__} has no model.norm (the final norm)")
-    return norm
 
 
 def target_config_record(config, target_dir: Path) -> dict:
@@ -259,16 +119,24 @@ def generate(
     temperature: float = 0.0,
     seed: int = 0,
     regenerate_max_new: int = 512,
+    engine: str = "transformers",
+    engine_args: dict | None = None,
     log=print,
 ) -> Path | None:
-    """Write the dataset (see the module's docstring); returns index.json's path on rank 0, None elsewhere."""
+    """Write the dataset (see the module's docstring); returns index.json's path on rank 0, None elsewhere.
+    engine "vllm" takes the hidden states from vLLM (eagle3/generate_vllm.py), `engine_args` its LLM(...) extras."""
     from transformers import AutoConfig
+
+    from eagle3.tokenizer import load_tokenizer
 
     target, out = Path(target_dir), Path(out_dir)
     store = _check_arguments(target, out, dtype, shard_samples, max_len)
+    _check_engine(engine, regenerate_responses, world_size)
     config = AutoConfig.from_pretrained(target, local_files_only=True)
     layers, vocab, draft = _target_shape(config, aux_layers, draft_vocab)
-    tokenizer, model = _load_target(target, device)
+    tokenizer, model = (
+        _load_target(target, device) if engine == "transformers" else (load_tokenizer(target, "generate"), None)
+    )
     records = read_records(Path(data))
     with output_writes(out):  # a folder that refuses a write: StorageError naming it (exit EXIT_STORAGE)
         out.mkdir(parents=True, exist_ok=True)
@@ -289,6 +157,7 @@ def generate(
             "regenerate": {"temperature": temperature, "seed": seed, "max_new": regenerate_max_new}
             if regenerate_responses
             else None,
+            **({"engine": engine} if engine != "transformers" else {}),  # older folders' digests stay valid
         }
         digest = _plan_digest(samples, settings)
         (out / "shards").mkdir(exist_ok=True)
@@ -300,12 +169,76 @@ def generate(
         todo = [n for n in mine if not complete(n)]
         if len(todo) < len(mine):
             log(f"generate: resuming: {len(mine) - len(todo)} of {len(mine)} shards are complete", flush=True)
-        _write_shards(model, layers, samples, shards, todo, out, store, rank, log)
+        if todo:
+            source = _hidden_states_source(engine, model, target, config, layers, samples, out, engine_args, log)
+            try:
+                _write_shards(source.states, samples, shards, todo, out, store, rank, log)
+            finally:
+                source.close()
         if rank != 0:
             return None
+        weights = _target_tensors(model, target, config, store)
         return _finish(
-            model, config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, log
+            config, target, samples, shards, complete, out, store, vocab, draft, layers, settings, weights, log
         )
+
+
+def _check_engine(engine: str, regenerate_responses: bool, world_size: int) -> None:
+    if engine not in ENGINES:
+        raise ConfigError(f"generate: engine {engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "vllm":
+        from eagle3.generate_vllm import check_engine_use
+
+        check_engine_use(regenerate_responses, world_size)
+
+
+def _target_tensors(model, target: Path, config, store) -> dict:
+    """The target's embedding, final norm and head in the storage dtype: from the loaded model, or (vLLM ran the
+    target) read from its safetensors files."""
+    if model is not None:
+        weights = {
+            "embed": model.get_input_embeddings().weight,
+            "final_norm": final_norm(model).weight,
+            "lm_head": model.get_output_embeddings().weight,
+        }
+    else:
+        from eagle3.generate_vllm import target_weights
+
+        weights = target_weights(target, config)
+    return {k: v.detach().to(store).cpu() for k, v in weights.items()}
+
+
+def _hidden_states_source(engine, model, target, config, layers, samples, out, engine_args, log):
+    """What runs the target: states(samples) -> [(aux [T, 3H], last [T, H])] per sample, and close()."""
+    if engine == "vllm":
+        from eagle3.generate_vllm import HiddenStatesSource
+
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        longest = max(len(s.input_ids) for s in samples)
+        return HiddenStatesSource(target, layers, text.num_hidden_layers, longest, out, engine_args, log)
+    return TransformersStates(model, layers)
+
+
+class TransformersStates:
+    """The target in transformers, one sample per forward, its hidden states kept by HiddenStates' hooks."""
+
+    def __init__(self, model, layers):
+        self.model, self.hooks = model, HiddenStates(model, layers)
+
+    def states(self, samples: list[list[int]]):
+        import torch
+
+        dev, result = next(self.model.parameters()).device, []
+        for input_ids in samples:
+            ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+            with torch.inference_mode():
+                self.model.model(input_ids=ids[None])  # the decoder stack: the head is not needed
+            aux = torch.cat([self.hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
+            result.append((aux.cpu(), self.hooks.kept["last"][0].cpu()))
+        return result
+
+    def close(self) -> None:
+        self.hooks.close()
 
 
 def _check_arguments(target: Path, out: Path, dtype: str, shard_samples: int, max_len: int):
@@ -391,7 +324,6 @@ def _claim_folder(out: Path, digest: str, settings: dict, count: int) -> None:
 
 
 def _finish(
-    model,
     config,
     target: Path,
     samples: list[Sample],
@@ -403,6 +335,7 @@ def _finish(
     draft: int,
     layers,
     settings: dict,
+    weights: dict,
     log,
 ) -> Path:
     """Rank 0, once every shard is complete: the draft vocabulary, the target's weights and config, index.json."""
@@ -438,9 +371,9 @@ def _finish(
         aux_layer_ids=tuple(layers),
         t2d=t2d,
         d2t=d2t,
-        embed=model.get_input_embeddings().weight.detach().to(store).cpu(),
-        final_norm=_final_norm(model).weight.detach().to(store).cpu(),
-        lm_head=model.get_output_embeddings().weight.detach().to(store).cpu(),
+        embed=weights["embed"],
+        final_norm=weights["final_norm"],
+        lm_head=weights["lm_head"],
         extra={
             "source": "generate",
             "target_config": record,
@@ -459,60 +392,50 @@ def _finish(
 
 
 def _write_shards(
-    model, layers, samples: list[Sample], shards: list[range], todo: list[int], out: Path, store, rank: int, log
+    states, samples: list[Sample], shards: list[range], todo: list[int], out: Path, store, rank: int, log
 ) -> None:
-    """Run the target over the samples of each shard in `todo` and write the shard under a temporary name, renamed
-    when complete; a progress line at most every 10 s."""
+    """The hidden states of each shard in `todo` (states(list of token ids) -> [(aux, last)]) written under a
+    temporary name, renamed when complete; a progress line at most every 10 s."""
     import torch
     from safetensors.torch import save_file
 
     from eagle3.data import sample_tensors
 
-    dev = next(model.parameters()).device
     todo_samples = sum(len(shards[n]) for n in todo)
     todo_tokens = sum(len(samples[i].input_ids) for n in todo for i in shards[n])
     started, done_samples, done_tokens, last_line = time.monotonic(), 0, 0, 0.0
-    hooks = HiddenStates(model, layers)
-    try:
-        for n in todo:
-            tensors = {}
-            for i in shards[n]:
-                ids = torch.tensor(samples[i].input_ids, dtype=torch.long, device=dev)
-                with torch.inference_mode():
-                    model.model(input_ids=ids[None])  # the decoder stack: the head is not needed
-                aux = torch.cat([hooks.kept[f"aux{k}"][0] for k in range(3)], dim=-1)
-                last = hooks.kept["last"][0]
-                tensors.update(
-                    sample_tensors(i, ids.cpu(), torch.tensor(samples[i].loss_mask), aux.cpu(), last.cpu(), store)
-                )
-                done_samples += 1
-                done_tokens += ids.numel()
-            path = out / SHARD_NAME.format(n)
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            try:
-                save_file(tensors, str(tmp))
-                with open(tmp, "rb") as f:  # a write error that shows only at sync (NFS, quota) shows here
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)  # complete: only now does it have the name a resume trusts
-            except BaseException:
-                tmp.unlink(missing_ok=True)  # a half-written shard never stays behind, and frees its space
-                raise
-            if os.environ.get(FAULT_KILL_ENV, "") == str(n):
-                import signal
+    for n in todo:
+        tensors = {}
+        shard = [samples[i] for i in shards[n]]
+        for i, sample, (aux, last) in zip(shards[n], shard, states([s.input_ids for s in shard]), strict=True):
+            ids = torch.tensor(sample.input_ids, dtype=torch.long)
+            tensors.update(sample_tensors(i, ids, torch.tensor(sample.loss_mask), aux, last, store))
+            done_samples += 1
+            done_tokens += ids.numel()
+        path = out / SHARD_NAME.format(n)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            save_file(tensors, str(tmp))
+            with open(tmp, "rb") as f:  # a write error that shows only at sync (NFS, quota) shows here
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # complete: only now does it have the name a resume trusts
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a half-written shard never stays behind, and frees its space
+            raise
+        if os.environ.get(FAULT_KILL_ENV, "") == str(n):
+            import signal
 
-                os.kill(os.getpid(), signal.SIGKILL)
-            now = time.monotonic()
-            if now - last_line >= 10 or done_samples == todo_samples:
-                rate = done_tokens / max(now - started, 1e-9)
-                eta = (todo_tokens - done_tokens) / max(rate, 1e-9)
-                log(
-                    f"generate: rank {rank}: {done_samples}/{todo_samples} samples, {done_tokens} tokens, "
-                    f"{rate:,.0f} tokens/s, ETA {eta:.0f} s",
-                    flush=True,
-                )
-                last_line = now
-    finally:
-        hooks.close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        now = time.monotonic()
+        if now - last_line >= 10 or done_samples == todo_samples:
+            rate = done_tokens / max(now - started, 1e-9)
+            eta = (todo_tokens - done_tokens) / max(rate, 1e-9)
+            log(
+                f"generate: rank {rank}: {done_samples}/{todo_samples} samples, {done_tokens} tokens, "
+                f"{rate:,.0f} tokens/s, ETA {eta:.0f} s",
+                flush=True,
+            )
+            last_line = now
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -551,6 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="regenerate: 0 greedy, else sampled")
     ap.add_argument("--seed", type=int, default=0, help="regenerate: seed (plus the record number) when sampling")
     ap.add_argument("--max-new", type=int, default=512, help="regenerate: tokens per response at most")
+    ap.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="transformers",
+        help="what runs the target: transformers (one process per rank), or vllm (one process; vLLM's tensor "
+        "parallel and kernels; eagle3/generate_vllm.py)",
+    )
+    ap.add_argument("--vllm-args", default="{}", help="with --engine vllm: more LLM(...) arguments (JSON)")
     return ap
 
 
@@ -588,8 +519,20 @@ def main(argv: list[str]) -> int:
             temperature=args.temperature,
             seed=args.seed,
             regenerate_max_new=args.max_new,
+            engine=args.engine,
+            engine_args=_engine_args(args),
         )
     except StorageError as e:  # a restart cannot help: the unit's RestartPreventExitStatus holds EXIT_STORAGE
         print(storage_line(e), file=sys.stderr, flush=True)
         return EXIT_STORAGE
     return EXIT_OK
+
+
+def _engine_args(args) -> dict | None:
+    if args.engine != "vllm":
+        if args.vllm_args != "{}":
+            raise ConfigError("generate: --vllm-args needs --engine vllm")
+        return None
+    from eagle3.engine_vllm import parse_engine_args
+
+    return parse_engine_args(args.vllm_args)

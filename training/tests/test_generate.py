@@ -16,13 +16,8 @@ from eagle3.cli import main
 from eagle3.config import TrainConfig
 from eagle3.data import DatasetReader, read_index
 from eagle3.errors import ConfigError, DataError
-from eagle3.generate import (
-    FAULT_KILL_ENV,
-    default_aux_layers,
-    generate,
-    read_records,
-    tokenize,
-)
+from eagle3.generate import FAULT_KILL_ENV, default_aux_layers, generate
+from eagle3.samples import read_records, tokenize
 from eagle3.spec import drafter_config
 from eagle3.tiny_target import cached
 from eagle3.tokenizer import TOKENIZER_FILES

@@ -11,7 +11,7 @@ import json
 import pytest
 from eagle3.engine_vllm import open_pair
 from eagle3.evaluate import TargetRunner, evaluate, evaluate_vllm, greedy, prompts_from
-from eagle3.generate import read_records
+from eagle3.samples import read_records
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # The tiny drafter's training (shared with test_evaluate) and two engine starts come first on a loaded machine.
