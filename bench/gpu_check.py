@@ -40,8 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "training"))
-sys.path.insert(0, str(ROOT / "module_utils"))
-sys.path.insert(0, str(ROOT))  # module_utils.procs, as proc_stop imports it outside Ansible
+sys.path.insert(0, str(ROOT))  # module_utils as a package: its files import each other relatively
 
 # Before CUDA initialises (docs/facts.md#memory-and-flex-attention).
 for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
@@ -49,7 +48,8 @@ for _var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
 
 import torch  # noqa: E402
 from eagle3 import plan as P  # noqa: E402
-from procs import DEVICE_GLOBS  # noqa: E402  (module_utils/procs.py: the one declaration)
+
+from module_utils.procs import DEVICE_GLOBS  # noqa: E402  (the one declaration)
 
 MARKER_NAME = "EAGLE3_GPU_CHECK"
 HOLDER_CODE = r"""
@@ -105,7 +105,7 @@ def environment(device: torch.device) -> dict:
 
 
 def nvml_used_mib() -> list[dict] | None:
-    import nvml
+    from module_utils import nvml
 
     return nvml.memory_used(nvml.query_gpus(timeout=10.0))
 
@@ -135,8 +135,7 @@ def run_cleanup_module(marker: str) -> dict:
         }
         result, failure = module.run(params, check_mode=False, self_pid=os.getpid())
         return {"via": "library/gpu_cleanup.py run()", "result": result, "failure": failure}
-    import proc_stop
-    import procs
+    from module_utils import proc_stop, procs
 
     outcome = proc_stop.terminate(
         procs.Selectors(marker=marker),
@@ -149,7 +148,7 @@ def run_cleanup_module(marker: str) -> dict:
 def section_cleanup(dry_run: bool) -> dict:
     if dry_run:
         return {"skipped": "dry run: real /dev/nvidia* holders need a GPU (tests/ cover stand-in devices)"}
-    import procs
+    from module_utils import procs
 
     before = nvml_used_mib()
     marker_value = uuid.uuid4().hex[:12]

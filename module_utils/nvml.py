@@ -14,10 +14,7 @@ import shutil
 import threading
 import time
 
-try:
-    from ansible.module_utils.run_bounded import CommandTimeout, run_bounded
-except ImportError:  # imported as module_utils.nvml outside Ansible (tests, bench)
-    from module_utils.run_bounded import CommandTimeout, run_bounded
+from .run_bounded import CommandTimeout, run_bounded
 
 # "100 % util at 250 W of 600 W": kernels (NCCL busy-waits) are resident but the SMs are mostly idle.
 STARVED_MIN_UTILIZATION_PCT = 90.0

@@ -16,30 +16,17 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-try:
-    from ansible.module_utils.procs import (
-        ACTIVE_STATES,
-        EXITED_STATES,
-        PROC,
-        Proc,
-        Selectors,
-        open_paths,
-        read_proc,
-        read_wchan,
-        select_targets,
-    )
-except ImportError:  # plain Python (pytest)
-    from module_utils.procs import (  # type: ignore[no-redef]
-        ACTIVE_STATES,
-        EXITED_STATES,
-        PROC,
-        Proc,
-        Selectors,
-        open_paths,
-        read_proc,
-        read_wchan,
-        select_targets,
-    )
+from .procs import (
+    ACTIVE_STATES,
+    EXITED_STATES,
+    PROC,
+    Proc,
+    Selectors,
+    open_paths,
+    read_proc,
+    read_wchan,
+    select_targets,
+)
 
 
 @dataclass

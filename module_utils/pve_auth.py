@@ -15,11 +15,7 @@ except ImportError:  # plain pytest of the pure functions without Ansible instal
         raise NotImplementedError("env_fallback needs ansible-core")
 
 
-try:
-    from ansible.module_utils.pve_errors import PveError
-except ImportError:  # imported as module_utils.pve_auth outside Ansible (tests)
-    from module_utils.pve_errors import PveError
-
+from .pve_errors import PveError
 
 DEFAULT_PORT = 8006
 DEFAULT_TIMEOUT = 10

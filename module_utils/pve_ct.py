@@ -8,42 +8,23 @@ changes that stay pending. In check mode it reads everything and predicts the re
 
 from __future__ import annotations
 
-try:
-    from ansible.module_utils.pve_auth import identity_of, tls_warning
-    from ansible.module_utils.pve_errors import PveError, api_error_text
-    from ansible.module_utils.pve_restart import predict_pending, pve_major
-    from ansible.module_utils.pve_rights import Rights
-    from ansible.module_utils.pve_session import connect
-    from ansible.module_utils.pve_spec import (
-        DEVICE_KEY,
-        assign_devices,
-        check_vmid,
-        desired_config,
-        parse_devices,
-        plan_changes,
-        pve_bool,
-        render_config,
-        split_volume,
-    )
-    from ansible.module_utils.pve_tasks import PveTaskError, wait_task
-except ImportError:  # imported as module_utils.pve_ct outside Ansible (tests)
-    from module_utils.pve_auth import identity_of, tls_warning
-    from module_utils.pve_errors import PveError, api_error_text
-    from module_utils.pve_restart import predict_pending, pve_major
-    from module_utils.pve_rights import Rights
-    from module_utils.pve_session import connect
-    from module_utils.pve_spec import (
-        DEVICE_KEY,
-        assign_devices,
-        check_vmid,
-        desired_config,
-        parse_devices,
-        plan_changes,
-        pve_bool,
-        render_config,
-        split_volume,
-    )
-    from module_utils.pve_tasks import PveTaskError, wait_task
+from .pve_auth import identity_of, tls_warning
+from .pve_errors import PveError, api_error_text
+from .pve_restart import predict_pending, pve_major
+from .pve_rights import Rights
+from .pve_session import connect
+from .pve_spec import (
+    DEVICE_KEY,
+    assign_devices,
+    check_vmid,
+    desired_config,
+    parse_devices,
+    plan_changes,
+    pve_bool,
+    render_config,
+    split_volume,
+)
+from .pve_tasks import PveTaskError, wait_task
 
 # PVE's answer to a PUT whose digest no longer matches the config: someone else changed it meanwhile.
 STALE_DIGEST = "detected modified configuration"

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import re
 
-try:
-    from ansible.module_utils.pve_spec import DEVICE_KEY, NET_KEY, value_equal
-except ImportError:  # imported as module_utils.pve_restart outside Ansible (tests)
-    from module_utils.pve_spec import DEVICE_KEY, NET_KEY, value_equal
-
+from .pve_spec import DEVICE_KEY, NET_KEY, value_equal
 
 # What a running CT takes at once (pve-container LXC/Config.pm: fast-plug options, and the hotplug of
 # memory, swap, cpu limits and network devices).

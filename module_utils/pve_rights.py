@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import re
 
-try:
-    from ansible.module_utils.pve_auth import ROOT_IDENTITY
-    from ansible.module_utils.pve_errors import PveError
-    from ansible.module_utils.pve_spec import DEVICE_KEY, NET_KEY, pve_bool, split_props
-except ImportError:  # imported as module_utils.pve_rights outside Ansible (tests)
-    from module_utils.pve_auth import ROOT_IDENTITY
-    from module_utils.pve_errors import PveError
-    from module_utils.pve_spec import DEVICE_KEY, NET_KEY, pve_bool, split_props
+from .pve_auth import ROOT_IDENTITY
+from .pve_errors import PveError
+from .pve_spec import DEVICE_KEY, NET_KEY, pve_bool, split_props
 
 DEVICE_RULE = "configuring device passthrough is only allowed for root@pam"
 # The other changes pve-container reserves to root@pam itself (PVE::LXC::check_ct_modify_config_perm).

@@ -11,30 +11,17 @@ import json
 import os
 from urllib.parse import unquote
 
-try:
-    from ansible.module_utils.pve_auth import (
-        DEFAULT_PORT,
-        DEFAULT_TIMEOUT,
-        ROOT_IDENTITY,
-        auth_mode,
-        identity_of,
-        tls_verify,
-        token_identity,
-    )
-    from ansible.module_utils.pve_errors import PveError
-    from ansible.module_utils.run_bounded import CommandTimeout, run_bounded
-except ImportError:  # imported as module_utils.pve_session outside Ansible (tests)
-    from module_utils.pve_auth import (
-        DEFAULT_PORT,
-        DEFAULT_TIMEOUT,
-        ROOT_IDENTITY,
-        auth_mode,
-        identity_of,
-        tls_verify,
-        token_identity,
-    )
-    from module_utils.pve_errors import PveError
-    from module_utils.run_bounded import CommandTimeout, run_bounded
+from .pve_auth import (
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT,
+    ROOT_IDENTITY,
+    auth_mode,
+    identity_of,
+    tls_verify,
+    token_identity,
+)
+from .pve_errors import PveError
+from .run_bounded import CommandTimeout, run_bounded
 
 
 def connect(params):

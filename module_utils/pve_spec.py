@@ -12,10 +12,7 @@ from __future__ import annotations
 import posixpath
 import re
 
-try:
-    from ansible.module_utils.pve_errors import PveError
-except ImportError:  # imported as module_utils.pve_spec outside Ansible (tests)
-    from module_utils.pve_errors import PveError
+from .pve_errors import PveError
 
 # PVE's own limits (pve-container: dev0..dev255; pve-vmid: 100..999999999).
 MAX_DEVICES = 256

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import time
 
-try:
-    from ansible.module_utils.pve_errors import PveError, api_error_text
-except ImportError:  # imported as module_utils.pve_tasks outside Ansible (tests)
-    from module_utils.pve_errors import PveError, api_error_text
+from .pve_errors import PveError, api_error_text
 
 
 class PveTaskError(PveError):

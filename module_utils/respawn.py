@@ -12,10 +12,7 @@ from __future__ import annotations
 import re
 import time
 
-try:
-    from ansible.module_utils import procs
-except ImportError:  # plain Python (pytest, the CLI)
-    from module_utils import procs
+from . import procs
 
 # /proc/PID/cgroup names the unit (or scope) a process belongs to: ".../cron.service", ".../session-3.scope".
 _UNIT = re.compile(r"/([^/\s]+\.(?:service|scope))(?:/|$)")

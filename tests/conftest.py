@@ -1,8 +1,12 @@
 """Shared pytest setup: import the project's module_utils the way Ansible does at run time.
 
 Modules import ``ansible.module_utils.<name>``; Ansible ships the project's module_utils/ with them
-(ansible.cfg: module_utils = module_utils). Under plain pytest the directory is added to that package's
-search path, and the repository root is put on sys.path so tests can also ``import module_utils.<name>``.
+(ansible.cfg: module_utils = module_utils), and the module_utils files import each other relatively. Under plain
+pytest the directory is added to that package's search path, and the repository root is put on sys.path so tests
+can also ``import module_utils.<name>``.
+
+Modules run in-process here (their main()), and Ansible keeps the warnings a module emits in a process-wide
+store that exit_json reports: each test starts with it empty, so no test sees another's warnings.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 if str(ROOT / "module_utils") not in ansible.module_utils.__path__:
     ansible.module_utils.__path__.append(str(ROOT / "module_utils"))
+
+
+@pytest.fixture(autouse=True)
+def _no_warnings_from_other_tests():
+    from ansible.module_utils.common import warnings
+
+    warnings._global_warnings.clear()  # private: the store exit_json reads (ansible-core 2.21)
+    warnings._global_deprecations.clear()
 
 
 @pytest.fixture
