@@ -94,7 +94,7 @@ def test_the_lists_are_not_empty():
         "pve_gpu_devices",
         "training_summary",
         "role_input_errors",
-        "seq_len_refusal",
+        "plan_refusal",
         "systemd_arg",
     } <= set(FILTERS)
 

@@ -3,8 +3,9 @@ anything changes (validate.yml), passed to the memory planner and its choice car
 (plan.yml, train.yaml.j2), one value for a run of several nodes.
 
 plan.yml runs here against a stand-in planner (a script in place of the venv's python) that answers the way
-`python -m eagle3 plan --json` does with --context-parallel (the trainer's contract), so these cases hold whatever
-the trainer's planner can do today. The filters themselves are tested in test_train_validation.py (the grammar and
+`python -m eagle3 plan --json` does with --context-parallel (the trainer's contract): a made-up memory model, and
+the trainer's own decision on it (eagle3.plan.decision, torch-free), so these cases hold whatever the trainer's
+memory model can do today. The filters themselves are tested in test_train_validation.py (the grammar and
 context_parallel_refusal) and test_plan_request.py (plan_argv).
 """
 
@@ -32,6 +33,8 @@ TEMPLATE = ROOT / "roles" / "eagle3_train" / "templates" / "train.yaml.j2"
 PLANNER = f"""#!{sys.executable}
 import json, sys
 from pathlib import Path
+sys.path.insert(0, {str(ROOT / "training")!r})
+from eagle3.plan.decision import decide
 
 args = sys.argv[1:]
 def opt(name, default=None):
@@ -52,14 +55,19 @@ if cp == "auto":
     cp = next((c for c in valid if fits[c] >= need), valid[-1])
 cp = int(cp)
 lengths = [int(n) for n in opt("--lengths", "").split(",") if n]
-print(json.dumps({{
+plan = {{
     "max_seq_len": fits[cp], "predicted_gb": round(memory * 0.9, 3), "memory_gb": memory, "margin": 0.1,
     "budget_gb": round(memory * 0.9, 3), "static_gb": 0.5, "world_size": world, "source": "analytic",
     "table": [{{"max_seq_len": n, "predicted_gb": round(n / 8192 / cp, 3), "fits": n <= fits[cp]}} for n in lengths],
     "context_parallel": cp,
     "context_parallel_table": [{{"context_parallel": c, "max_seq_len": fits[c], "predicted_gb": 0.9 * memory}}
                                for c in valid],
-}}))
+}}
+asked = opt("--max-seq-len")
+plan["run"] = decide(plan, int(asked) if asked else None, opt("--context-parallel", "1") if opt("--context-parallel",
+                     "1") == "auto" else int(opt("--context-parallel", "1")), unplanned=opt("--unplanned", ""),
+                     memory_source=opt("--memory-source", ""))
+print(json.dumps(plan))
 """
 
 PLAY = f"""\
@@ -191,7 +199,11 @@ def test_without_a_memory_plan_the_planner_still_checks_the_heads(tmp_path):
         tmp_path, {"target": host(tmp_path, "target", 0)}, "eagle3_train__msl=16384", "eagle3_train__cp=3"
     )
     assert rc == 2, out[-3000:]
-    assert "context_parallel=3 cannot run this drafter: eagle3 plan: context_parallel=3 does not divide" in out
+    assert (
+        "max_seq_len=16384, context_parallel=3: the memory planner refuses the run (exit 2): eagle3 plan: "
+        "context_parallel=3 does not divide" in out
+    )
+    assert "eagle3_train_allow_unplanned_seq_len=true" not in out  # the length is not planned already
     assert "The service was not touched." in out and not (tmp_path / "train-target.yaml").exists()
     (call,) = calls(tmp_path)
     assert call["argv"][call["argv"].index("--context-parallel") + 1] == "3"
@@ -212,8 +224,12 @@ def test_several_nodes_run_at_the_largest_context_parallel_any_chose(tmp_path):
     hosts = {"a": host(tmp_path, "a", 4, **run), "b": host(tmp_path, "b", 1.5, **run)}
     rc, out = run_plan(tmp_path, hosts, "eagle3_train__msl=auto", "eagle3_train__cp=auto")
     assert rc == 0, out[-3000:]
-    chosen = "max_seq_len=auto -> 32768, context_parallel=auto -> 4 (data_parallel 1)"
+    chosen = (
+        "the run (2 nodes): max_seq_len=32768 (the smallest any node chose), context_parallel=4 (the largest; "
+        "data_parallel 1)"
+    )
     assert out.count(chosen) == 2, out[-3000:]
+    assert "max_seq_len=auto -> 32768, context_parallel=auto -> 1" in out  # node a's own choice, reported first
     assert calls(tmp_path, "a") and calls(tmp_path, "b")
     for name in "ab":
         config = config_of(tmp_path, name)

@@ -131,7 +131,7 @@ def test_the_gpu_device_globs_have_one_declaration():
     assert re.search(r"""^gpu_cleanup_devices: "\{\{ 'procs\.DEVICE_GLOBS' \| target_constant \}\}"$""", defaults, re.M)
     specs = (ROOT / "roles/gpu_cleanup/meta/argument_specs.yml").read_text()
     bench = (ROOT / "bench/gpu_check.py").read_text()
-    assert re.search(r"^from procs import DEVICE_GLOBS\b", bench, re.M)
+    assert re.search(r"^from module_utils.procs import DEVICE_GLOBS\b", bench, re.M)
     for path, text in (("defaults", defaults), ("argument_specs", specs), ("bench/gpu_check.py", bench)):
         for glob in procs.DEVICE_GLOBS[1:]:  # (/dev/nvidia[0-9]* also names the kind path_glob's example)
             assert glob not in text, f"{path} restates {glob}"

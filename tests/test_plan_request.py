@@ -1,5 +1,5 @@
-"""plan.yml's decisions (roles/eagle3_train/filter_plugins/plan_request.py): the memory per worker the planner
-assumes and where it comes from, and the planner's argv. Each case is also held to the Jinja that plan.yml used to
+"""What plan.yml asks the planner (roles/eagle3_train/filter_plugins/plan_request.py): the memory per worker it
+assumes and where it comes from, why a length is not bounded by it, and the planner's argv. Each case is also held to the Jinja that plan.yml used to
 hold, so moving the decision into a filter changed nothing."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ spec = importlib.util.spec_from_file_location(
 pr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pr)
 
-# plan.yml's expressions before the filters (the trainer config already combined with its overrides).
+# plan.yml's expressions before the filters (the trainer config already combined with its overrides); the argv with
+# the one change since: an explicit length also goes as --max-seq-len, the length the planner decides about.
 OLD_GB = """{% set m = gpus | selectattr('memory_total_mib') | sort(attribute='memory_total_mib') | list %}{{
   configured | float if configured | float > 0
   else ((m[0].memory_total_mib / 1024) | round(2, 'floor')) if m else 0 }}"""
@@ -30,7 +31,7 @@ OLD_ARGV = """{{ ([python, '-m', 'eagle3', 'plan', '--json', '--config', '/dev/s
      if nnodes | int > 1 and world_size | int == nnodes | int * nproc | int else [])
   + ['--margin', margin | string]
   + (['--memory-gb', memory_gb | string] if memory_gb | float > 0 else [])
-  + (['--lengths', msl] if msl != 'auto' else [])
+  + (['--max-seq-len', msl, '--lengths', msl] if msl != 'auto' else [])
   + (['--probe'] if msl == 'auto' and gpus | length > 0 else [])) | join('\\x00') }}"""
 ENV = jinja2.Environment()
 
@@ -83,7 +84,7 @@ def test_context_parallel_off_asks_the_planner_nothing_new(cp):
     for msl in ("auto", "16384"):
         got = pr.plan_argv("/p", 8, 1, 8, 0.1, 80, msl, GPUS[1], cp)
         assert got == pr.plan_argv("/p", 8, 1, 8, 0.1, 80, msl, GPUS[1])
-        assert "--context-parallel" not in got and "--max-seq-len" not in got
+        assert "--context-parallel" not in got and ("--max-seq-len" in got) == (msl != "auto")
 
 
 @pytest.mark.parametrize(("cp", "flag"), [(2, "2"), ("4", "4"), ("auto", "auto"), (" AUTO ", "auto")])
@@ -92,7 +93,25 @@ def test_context_parallel_is_passed_with_the_length_auto_must_fit(cp, flag):
     i = explicit.index("--context-parallel")
     assert explicit[i + 1] == flag
     assert explicit[explicit.index("--max-seq-len") + 1] == "65536"
-    assert explicit[explicit.index("--lengths") + 1] == "65536"  # the table row seq_len_refusal reads
+    assert explicit[explicit.index("--lengths") + 1] == "65536"  # the table row the decision reads
     auto = pr.plan_argv("/p", 8, 1, 8, 0.1, 80, "auto", GPUS[1], cp)
     assert auto[auto.index("--context-parallel") + 1] == flag
     assert "--max-seq-len" not in auto and "--lengths" not in auto and auto[-1] == "--probe"
+
+
+@pytest.mark.parametrize(
+    ("memory", "allow", "msl", "why"),
+    [
+        ({"gb": 2.5, "source": "eagle3_train_plan_memory_gb"}, False, "16384", ""),
+        ({"gb": 2.5, "source": "eagle3_train_plan_memory_gb"}, "true", "16384", "allow_unplanned_seq_len is true"),
+        ({"gb": 2.5, "source": "eagle3_train_plan_memory_gb"}, True, "auto", ""),  # auto is always planned
+        ({"gb": 0, "source": "memory_limit_gb of the trainer config"}, False, "auto", ""),
+        ({"gb": 0, "source": ""}, False, "16384", "no GPU on ct, eagle3_train_plan_memory_gb is 0"),
+        ({"gb": 0, "source": ""}, False, "auto", "no GPU on ct"),
+    ],
+)
+def test_a_length_is_unplanned_when_the_user_says_so_or_no_memory_figure_exists(memory, allow, msl, why):
+    got = pr.plan_unplanned(memory, allow, msl, "ct")
+    assert (why in got and got) if why else got == ""
+    argv = pr.plan_argv("/p", 2, 1, 2, 0.1, memory["gb"], msl, GPUS[1], 1, got)
+    assert ("--unplanned" in argv) == bool(why) and ("--probe" in argv) == (msl == "auto" and not why)

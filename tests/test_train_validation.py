@@ -33,6 +33,7 @@ spec = importlib.util.spec_from_file_location("role_inputs", ROOT / "plugins" / 
 ri = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ri)
 VARIABLES = ri.ROLE_VARIABLES["eagle3_train"]
+trainer_module = ti.trainer_module  # the trainer's torch-free modules, as the filters import them
 
 
 def train_input_errors(values, aliases=None, known=None):
@@ -284,7 +285,9 @@ def test_max_seq_len_is_reported_under_the_name_the_user_set():
     assert error.startswith("eagle3_train_max_seq_len=x is neither") and "-e eagle3_train_max_seq_len=auto" in error
 
 
-# ------------------------------------------------------------------------------ the planner's verdict (seq_len_refusal)
+# ------------------------------------------------------------------------------ the planner's decision, worded here
+# The planner decides (training/eagle3/plan/decision.py; its cases: training/tests/test_plan.py); plan_refusal adds
+# the role's ways out to its words. The decision here is the trainer's own, on a plan made up for the case.
 
 PLAN = {
     "max_seq_len": 20096,
@@ -295,24 +298,34 @@ PLAN = {
     "static_gb": 1.002,
     "world_size": 2,
     "source": "analytic",
+    "context_parallel": 1,
     "table": [{"max_seq_len": 32768, "predicted_gb": 3.5, "fits": False}],
 }
 
 
+def answer(plan: dict, msl, cp=1, **options) -> dict:
+    """The registered result of the planner's command for this plan and request, as plan.yml sees it."""
+    decide = trainer_module("plan.decision").decide
+    run = decide(plan, None if msl == "auto" else int(msl), cp, **options)
+    return {"rc": 0, "stdout": json.dumps({**plan, "run": run}), "stderr": ""}
+
+
 @pytest.mark.parametrize("length", [128, 16384, "20096"])
 def test_a_length_up_to_the_largest_fitting_one_runs(length):
-    assert ti.seq_len_refusal(PLAN, length) == ""
+    assert ti.plan_refusal(answer(PLAN, length), length, 1) == ""
 
 
 def test_a_length_above_the_largest_fitting_one_is_refused_with_that_length_and_the_memory():
-    msg = " ".join(ti.seq_len_refusal(PLAN, "32768", "the smallest GPU (NVIDIA H200, 143771 MiB)").split())
+    result = answer(PLAN, "32768", memory_source="the smallest GPU (NVIDIA H200, 143771 MiB)")
+    msg = " ".join(ti.plan_refusal(result, "32768", 1).split())
     assert msg.startswith("max_seq_len=32768 does not fit: the memory planner predicts 3.5 GiB per worker at 32768")
     assert "against a budget of 2.25 GiB (2.5 GiB per worker from the smallest GPU (NVIDIA H200, 143771 MiB)" in msg
-    assert "less the 10% margin of eagle3_train_plan_margin; 2 workers; analytic model)" in msg
+    assert "less the 10% margin; 2 workers; analytic model)" in msg
     assert "The largest max_seq_len that fits is 20096 (predicted 2.25 GiB)" in msg
     assert "-e max_seq_len=20096" in msg and "-e eagle3_train_allow_unplanned_seq_len=true" in msg
+    assert "eagle3_train_plan_margin" in msg  # the role's name for the margin, in the way out
     # Without the requested length in the table (an older planner), the verdict still stands.
-    assert "finds that 32768 needs more" in ti.seq_len_refusal({**PLAN, "table": []}, 32768)
+    assert "finds that 32768 needs more" in ti.plan_refusal(answer({**PLAN, "table": []}, 32768), 32768, 1)
 
 
 def test_a_length_that_fits_at_a_larger_context_parallel_is_offered_it():
@@ -325,12 +338,37 @@ def test_a_length_that_fits_at_a_larger_context_parallel_is_offered_it():
             {"context_parallel": 4, "max_seq_len": 49152, "predicted_gb": 2.2},
         ],
     }
-    msg = " ".join(ti.seq_len_refusal(plan, "32768").split())
+    msg = " ".join(ti.plan_refusal(answer(plan, "32768", "auto"), "32768", "auto").split())
     assert "split each row over more workers (-e context_parallel=4, or auto)" in msg
     # The prediction names the planner's context_parallel; when no larger one fits, nothing is offered.
-    msg = " ".join(ti.seq_len_refusal({**plan, "context_parallel": 4}, "32768").split())
+    msg = " ".join(ti.plan_refusal(answer({**plan, "context_parallel": 4}, "32768", 4), "32768", 4).split())
     assert "predicts 3.5 GiB per worker at 32768 with context_parallel=4" in msg
     assert "-e context_parallel=" not in msg
+
+
+@pytest.mark.parametrize(
+    ("msl", "cp", "words"),
+    [
+        ("auto", 1, "max_seq_len=auto needs the memory per worker: no GPU on ct"),
+        ("16384", "auto", "context_parallel=auto needs the memory planner to pick it, and max_seq_len=16384 is not"),
+    ],
+)
+def test_what_needs_a_memory_figure_is_refused_naming_what_to_set(msl, cp, words):
+    why = "no GPU on ct, eagle3_train_plan_memory_gb is 0 and the trainer config sets no memory_limit_gb"
+    msg = " ".join(ti.plan_refusal(answer(PLAN, msl, cp, unplanned=why), msl, cp, why).split())
+    assert msg.startswith(words) and "eagle3_train_plan_memory_gb (GiB per worker)" in msg
+
+
+def test_an_unplanned_length_runs_as_given_and_says_why():
+    why = "eagle3_train_allow_unplanned_seq_len is true"
+    result = answer(PLAN, "65536", 2, unplanned=why)
+    assert ti.plan_refusal(result, "65536", 2, why) == ""
+    run = json.loads(result["stdout"])["run"]
+    assert (run["max_seq_len"], run["context_parallel"], run["checked"]) == (65536, 2, False)
+    assert (
+        run["summary"]
+        == f"max_seq_len=65536 is not checked against memory: {why}, context_parallel=2 (data_parallel 1)"
+    )
 
 
 # ------------------------------------------------------------------------------ context_parallel against the workers
@@ -493,7 +531,7 @@ def test_without_gpu_or_budget_an_explicit_length_is_not_bounded_and_auto_fails(
     assert rc == 0, out[-3000:]
     assert "max_seq_len=16384 is not checked against memory: no GPU on target" in out
     rc, out = plan(planner_target, "auto")
-    assert rc == 2 and "max_seq_len=auto needs the memory per worker: target has no GPU" in out, out[-3000:]
+    assert rc == 2 and "max_seq_len=auto needs the memory per worker: no GPU on target" in out, out[-3000:]
 
 
 @pytest.mark.slow
@@ -548,8 +586,9 @@ def test_plan_yml_with_context_parallel(planner_target):
 
 
 @pytest.mark.slow  # planner_target: a module fixture that runs the planner
-def test_planner_json_has_what_the_verdict_reads(planner_target):
-    """The fields seq_len_refusal reads come from `eagle3 plan --json --lengths N` (eagle3/plan/cli.py)."""
+def test_the_planners_json_carries_its_decision(planner_target):
+    """What plan.yml reads comes from `eagle3 plan --json --max-seq-len N` (eagle3/plan/cli.py): the plan and the
+    decision on it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "training")}
     cfg = planner_target / "cfg.yaml"
     cfg.write_text(
@@ -562,34 +601,19 @@ def test_planner_json_has_what_the_verdict_reads(planner_target):
             }
         )
     )
-    proc = subprocess.run(
-        [
-            str(TRAIN_PYTHON),
-            "-m",
-            "eagle3",
-            "plan",
-            "--json",
-            "--config",
-            str(cfg),
-            "--world-size",
-            "2",
-            "--memory-gb",
-            "1.6",
-            "--lengths",
-            "65536",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    argv = [str(TRAIN_PYTHON), "-m", "eagle3", "plan", "--json", "--config", str(cfg), "--world-size", "2"]
+    argv += ["--memory-gb", "1.6", "--max-seq-len", "65536", "--lengths", "65536"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert {"max_seq_len", "predicted_gb", "memory_gb", "margin", "budget_gb", "world_size", "source"} <= set(result)
     assert result["table"] == [
         {"max_seq_len": 65536, "predicted_gb": result["table"][0]["predicted_gb"], "fits": False}
     ]
-    assert ti.seq_len_refusal(result, 65536).startswith("max_seq_len=65536 does not fit")
+    run = result["run"]
+    assert run["refusal_kind"] == "too_long" and run["largest"] == result["max_seq_len"]
+    assert run["refusal"].startswith("max_seq_len=65536 does not fit")
+    assert ti.plan_refusal({"rc": 0, "stdout": proc.stdout}, 65536, 1).startswith(run["refusal"])
 
 
 def test_trainer_settings_are_checked_by_the_trainers_own_declaration_naming_the_variable():

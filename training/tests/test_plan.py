@@ -212,6 +212,45 @@ def test_cli_json_is_what_the_ansible_role_parses(capsys):
     assert out["options"]["activation_checkpointing"] and out["options"]["fsdp"]
 
 
+KIMI = "--shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing --fsdp --json".split()
+
+
+def test_the_planner_decides_the_runs_length_and_context_parallel(capsys):
+    """The decision the Ansible role takes as it is ("run"): auto takes the largest length that fits, an explicit
+    length runs when it fits and is refused naming the largest that does and a context_parallel at which it would,
+    and context_parallel auto picks the smallest size that fits the length."""
+    assert P.main(KIMI) == 0
+    plan = json.loads(capsys.readouterr().out)
+    run = plan["run"]
+    assert (run["max_seq_len"], run["context_parallel"], run["data_parallel"]) == (plan["max_seq_len"], 1, 8)
+    assert run["refusal"] == "" and run["summary"].startswith(f"max_seq_len=auto -> {plan['max_seq_len']}: ")
+    assert P.main([*KIMI, "--max-seq-len", "16384"]) == 0
+    run = json.loads(capsys.readouterr().out)["run"]
+    assert run["max_seq_len"] == 16384 and run["summary"].startswith("max_seq_len=16384 fits (the largest that fits")
+    assert P.main([*KIMI, "--max-seq-len", "131072", "--context-parallel", "1"]) == 0
+    run = json.loads(capsys.readouterr().out)["run"]
+    assert run["refusal_kind"] == "too_long" and run["largest"] == plan["max_seq_len"]
+    assert run["refusal"].startswith("max_seq_len=131072 does not fit: the memory planner predicts")
+    assert P.main([*KIMI, "--max-seq-len", "131072", "--context-parallel", "auto"]) == 0
+    run = json.loads(capsys.readouterr().out)["run"]
+    assert (run["max_seq_len"], run["context_parallel"], run["data_parallel"], run["refusal"]) == (131072, 2, 4, "")
+    assert "context_parallel=auto -> 2 (data_parallel 4)" in run["summary"]
+
+
+def test_an_unplanned_length_is_decided_by_the_rules_alone(capsys):
+    """--unplanned: no memory figure is needed, the length runs as given, and the rules (a size the workers and the
+    drafter's heads split into) still refuse."""
+    base = ["--shape", "tiny", "--world-size", "2", "--json", "--unplanned", "no GPU here"]
+    assert P.main([*base, "--max-seq-len", "262144", "--context-parallel", "2"]) == 0
+    run = json.loads(capsys.readouterr().out)["run"]
+    assert (run["max_seq_len"], run["context_parallel"], run["checked"]) == (262144, 2, False)
+    assert run["summary"].startswith("max_seq_len=262144 is not checked against memory: no GPU here")
+    assert P.main(base) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["refusal_kind"] == "needs_memory"
+    assert P.main([*base, "--max-seq-len", "16384", "--context-parallel", "3"]) == 2
+    assert "context_parallel=3 does not divide" in capsys.readouterr().err
+
+
 def test_cli_exits_2_with_a_message_when_nothing_fits(capsys):
     rc = P.main(["--shape", "kimi-k2.5", "--world-size", "8", "--memory-gb", "12"])
     assert rc == 2

@@ -62,15 +62,27 @@ def plan_memory(configured_gb, gpus: list | None, config: dict | None = None, ov
 
 
 def plan_argv(
-    python: str, world_size, nnodes, nproc, margin, memory_gb, msl, gpus: list | None = None, cp=None
+    python: str,
+    world_size,
+    nnodes,
+    nproc,
+    margin,
+    memory_gb,
+    msl,
+    gpus: list | None = None,
+    cp=None,
+    unplanned: str = "",
+    memory_source: str = "",
 ) -> list:
-    """The planner's argv: the trainer config comes on stdin; the length to check, or --probe for auto on a GPU.
-    A context_parallel other than 1 (a number, or auto for the planner to pick) goes with --context-parallel, and an
-    explicit length then also with --max-seq-len (the length auto must fit); 1 (off) adds nothing.
+    """The planner's argv: the trainer config comes on stdin; an explicit length as --max-seq-len (the planner
+    decides whether it fits) with its table row (--lengths), or --probe for auto on a GPU. A context_parallel other
+    than 1 (a number, or auto for the planner to pick) goes with --context-parallel; 1 (off) adds nothing.
+    `unplanned` (plan_unplanned): why the length is not bounded by memory; `memory_source` (plan_memory's source)
+    is named in the planner's messages.
 
     >>> plan_argv("/v/bin/python", 2, 1, 2, 0.1, 1.6, "16384")  # doctest: +NORMALIZE_WHITESPACE
     ['/v/bin/python', '-m', 'eagle3', 'plan', '--json', '--config', '/dev/stdin', '--world-size', '2',
-     '--margin', '0.1', '--memory-gb', '1.6', '--lengths', '16384']
+     '--margin', '0.1', '--memory-gb', '1.6', '--max-seq-len', '16384', '--lengths', '16384']
     >>> plan_argv("/v/bin/python", 4, 2, 2, 0.1, 0, "auto", [{"index": 0}])[7:]
     ['--world-size', '4', '--nnodes', '2', '--nproc-per-node', '2', '--margin', '0.1', '--probe']
     >>> plan_argv("/v/bin/python", 8, 1, 8, 0.1, 80, "65536", cp="auto")[9:]  # doctest: +NORMALIZE_WHITESPACE
@@ -80,6 +92,9 @@ def plan_argv(
     ['--margin', '0.1', '--memory-gb', '80', '--context-parallel', '2']
     >>> plan_argv("/v/bin/python", 8, 1, 8, 0.1, 80, "auto", cp="1")[9:]
     ['--margin', '0.1', '--memory-gb', '80']
+    >>> plan_argv("/v/bin/python", 2, 1, 2, 0.1, 0, "16384", [], 3, "no GPU", "")[9:]  # doctest: +NORMALIZE_WHITESPACE
+    ['--margin', '0.1', '--context-parallel', '3', '--max-seq-len', '16384', '--lengths', '16384',
+     '--unplanned', 'no GPU']
     """
     argv = [
         python,
@@ -98,18 +113,41 @@ def plan_argv(
     argv += ["--margin", str(margin)]
     if _float(memory_gb) > 0:
         argv += ["--memory-gb", str(memory_gb)]
+    if memory_source:
+        argv += ["--memory-source", memory_source]
     context_parallel = str(cp if cp is not None else 1).strip().lower()
     if context_parallel != "1":
         argv += ["--context-parallel", context_parallel]
-        if msl != "auto":
-            argv += ["--max-seq-len", msl]
     if msl != "auto":
-        argv += ["--lengths", msl]
-    elif gpus:
+        argv += ["--max-seq-len", str(msl), "--lengths", str(msl)]
+    elif gpus and not unplanned:
         argv += ["--probe"]
+    if unplanned:
+        argv += ["--unplanned", unplanned]
     return argv
+
+
+def plan_unplanned(memory: dict, allow_unplanned, msl, host: str, configured_gb=0) -> str:
+    """Why the run's length is not bounded by memory ('' when the planner bounds it): the user's
+    eagle3_train_allow_unplanned_seq_len (an explicit length only), or no memory figure anywhere (plan_memory).
+
+    >>> plan_unplanned({"gb": 2.5, "source": "eagle3_train_plan_memory_gb"}, False, "16384", "ct")
+    ''
+    >>> plan_unplanned({"gb": 2.5, "source": "eagle3_train_plan_memory_gb"}, True, "16384", "ct")
+    'eagle3_train_allow_unplanned_seq_len is true'
+    >>> plan_unplanned({"gb": 0, "source": ""}, False, "auto", "ct")
+    'no GPU on ct, eagle3_train_plan_memory_gb is 0 and the trainer config sets no memory_limit_gb'
+    """
+    if str(allow_unplanned).strip().lower() in ("true", "yes", "1", "on") and str(msl) != "auto":
+        return "eagle3_train_allow_unplanned_seq_len is true"
+    if not (memory or {}).get("source"):
+        return (
+            f"no GPU on {host}, eagle3_train_plan_memory_gb is {configured_gb} and the trainer config sets no "
+            "memory_limit_gb"
+        )
+    return ""
 
 
 class FilterModule:
     def filters(self):
-        return {"plan_memory": plan_memory, "plan_argv": plan_argv}
+        return {"plan_memory": plan_memory, "plan_argv": plan_argv, "plan_unplanned": plan_unplanned}

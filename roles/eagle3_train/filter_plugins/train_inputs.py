@@ -1,7 +1,9 @@
 # Copyright: eagle3-pve contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""``seq_len_refusal``: the verdict on an explicit max_seq_len from the memory planner's JSON (plan.yml);
-``context_parallel_refusal``: the verdict on a context_parallel against the run's workers (validate.yml).
+"""``plan_refusal``: why the run cannot start, from the memory planner's answer (plan.yml: the planner decides,
+this adds the variables to change); ``run_choice``: the run's length and context_parallel from its nodes' decisions;
+``context_parallel_refusal``: the verdict on a context_parallel against the run's workers (validate.yml, before the
+lock).
 
 The role's variables themselves are checked by the ``inputs`` role against plugins/filter/role_inputs.py. Each
 filter here is documented in the .yml file of the same name beside this one (ansible-doc reads that file).
@@ -20,59 +22,74 @@ if _FILTERS not in sys.path:
 from declared_constants import trainer_module  # noqa: E402
 
 
-def seq_len_refusal(plan: dict, requested, memory_source: str = "") -> str:
-    """Why an explicit max_seq_len cannot run, from `python -m eagle3 plan --json --lengths N` (empty: it fits).
+def plan_refusal(result: dict, msl, cp, unplanned: str = "") -> str:
+    """Why the run cannot start, from the planner's answer to plan.yml (empty: it can): the planner's own words (its
+    error, or the refusal in its decision: training/eagle3/plan/decision.py), then what to change here.
 
-    The planner's max_seq_len is the largest length whose predicted peak fits memory_gb less the margin per
-    worker; the table row for the requested length (asked for with --lengths) gives what that length needs.
-
-    >>> plan = {"max_seq_len": 7040, "predicted_gb": 1.437, "memory_gb": 1.6, "margin": 0.1, "budget_gb": 1.44,
-    ...         "static_gb": 1.002, "world_size": 2, "source": "analytic",
-    ...         "table": [{"max_seq_len": 16384, "predicted_gb": 2.02, "fits": False}]}
-    >>> seq_len_refusal(plan, 8192 - 1152)
+    >>> ok = {"rc": 0, "stdout": '{"run": {"refusal": "", "refusal_kind": ""}}'}
+    >>> plan_refusal(ok, "16384", 1)
     ''
-    >>> seq_len_refusal({**plan, "max_seq_len": 262144, "table": [{"max_seq_len": 262272, "fits": True}]}, 262272)
-    ''
-    >>> print(seq_len_refusal(plan, "16384", "eagle3_train_plan_memory_gb"))  # doctest: +NORMALIZE_WHITESPACE
-    max_seq_len=16384 does not fit: the memory planner predicts 2.02 GiB per worker at 16384 against a budget of
-    1.44 GiB (1.6 GiB per worker from eagle3_train_plan_memory_gb, less the 10% margin of
-    eagle3_train_plan_margin; 2 workers; analytic model). The largest max_seq_len that fits is 7040 (predicted
-    1.44 GiB). Use -e max_seq_len=7040 (or -e max_seq_len=auto), give the planner more memory per worker, or set
-    -e eagle3_train_allow_unplanned_seq_len=true to run 16384 anyway.
+    >>> too_long = {"rc": 0, "stdout": '{"run": {"refusal": "max_seq_len=32768 does not fit: (...).", '
+    ...             '"refusal_kind": "too_long", "largest": 20096, "wider_context_parallel": 2}}'}
+    >>> print(plan_refusal(too_long, "32768", "auto"))  # doctest: +NORMALIZE_WHITESPACE
+    max_seq_len=32768 does not fit: (...). Use -e max_seq_len=20096 (or -e max_seq_len=auto), split each row over
+    more workers (-e context_parallel=2, or auto), give the planner more memory per worker
+    (eagle3_train_plan_memory_gb, less eagle3_train_plan_margin), or set -e eagle3_train_allow_unplanned_seq_len=true
+    to run 32768 anyway.
+    >>> print(plan_refusal({"rc": 2, "stderr": "eagle3 plan: context_parallel=3 does not divide --world-size 2"},
+    ...                    "16384", "3"))  # doctest: +NORMALIZE_WHITESPACE
+    max_seq_len=16384, context_parallel=3: the memory planner refuses the run (exit 2): eagle3 plan:
+    context_parallel=3 does not divide --world-size 2 -e context_parallel=auto picks a valid one,
+    -e context_parallel=1 turns it off.
     """
-    n = int(str(requested).strip())
-    largest = plan.get("max_seq_len")
-    row = next((r for r in plan.get("table") or [] if r.get("max_seq_len") == n), None)
-    if (largest is not None and n <= int(largest)) or (row is not None and row.get("fits")):
-        return ""  # (the row decides above the planner's search limit, where `largest` stops)
-    needs = f"predicts {row['predicted_gb']:g} GiB per worker at {n}" if row else f"finds that {n} needs more"
-    source = f" from {memory_source}" if memory_source else ""
-    assumed = (
-        f"{float(plan['budget_gb']):g} GiB ({float(plan['memory_gb']):g} GiB per worker{source}, less the "
-        f"{float(plan['margin']) * 100:g}% margin of eagle3_train_plan_margin; {plan['world_size']} workers; "
-        f"{plan.get('source', 'analytic')} model)"
+    import json
+
+    cp, msl = str(cp).strip().lower(), str(msl).strip().lower()
+    unbound = "-e eagle3_train_allow_unplanned_seq_len=true"
+    if int(result.get("rc", 1)) != 0:
+        said = " ".join(f"{result.get('stderr') or ''} {result.get('stdout') or ''}".split())
+        text = f"max_seq_len={msl}{'' if cp == '1' else f', context_parallel={cp}'}: the memory planner refuses "
+        text += f"the run (exit {result.get('rc')}): {said}"
+        if cp != "1":
+            text += " -e context_parallel=auto picks a valid one, -e context_parallel=1 turns it off."
+        elif msl != "auto" and not unplanned:
+            text += f" Fix that, or set {unbound} to run {msl} without the memory check."
+        return text
+    run = json.loads(result["stdout"])["run"]
+    kind, text = run.get("refusal_kind"), run.get("refusal", "")
+    if not kind:
+        return ""
+    if kind == "too_long":
+        text += f" Use -e max_seq_len={run['largest']} (or -e max_seq_len=auto)"
+        if run.get("wider_context_parallel"):
+            text += f", split each row over more workers (-e context_parallel={run['wider_context_parallel']}, or auto)"
+        text += ", give the planner more memory per worker (eagle3_train_plan_memory_gb, less eagle3_train_plan_margin)"
+        return text + f", or set {unbound} to run {msl} anyway."
+    if kind == "nothing_fits":
+        text += " Turn on activation_checkpointing or fsdp in eagle3_train_config_overrides, or give the planner more"
+        text += " memory per worker (eagle3_train_plan_memory_gb)"
+        return text + (f"; or set {unbound} to run {msl} anyway." if msl != "auto" else ".")
+    if kind == "needs_memory":
+        return text + " Set eagle3_train_plan_memory_gb (GiB per worker), or give a length (-e max_seq_len=16384)."
+    return text + (
+        " Give a number that divides the run's workers (-e context_parallel=2), or let the planner plan the length:"
+        " set eagle3_train_plan_memory_gb (GiB per worker) and leave eagle3_train_allow_unplanned_seq_len false."
     )
-    cp = int(plan.get("context_parallel") or 1)
-    if cp > 1:
-        needs += f" with context_parallel={cp}"
-    wider = [
-        int(r["context_parallel"])
-        for r in plan.get("context_parallel_table") or []
-        if r.get("max_seq_len") and int(r["max_seq_len"]) >= n and int(r.get("context_parallel") or 1) > cp
-    ]
-    fit = (
-        f"The largest max_seq_len that fits is {largest} (predicted {plan.get('predicted_gb', 0):.2f} GiB). "
-        f"Use -e max_seq_len={largest} (or -e max_seq_len=auto)"
-        if largest
-        else "No max_seq_len fits. Turn on activation_checkpointing or fsdp in eagle3_train_config_overrides"
-    )
-    if wider:
-        fit += f", split each row over more workers (-e context_parallel={min(wider)}, or auto)"
-    return (
-        f"max_seq_len={n} does not fit: the memory planner {needs} against a budget of {assumed}. {fit}, "
-        f"give the planner more memory per worker, or set -e eagle3_train_allow_unplanned_seq_len=true to run "
-        f"{n} anyway."
-    )
+
+
+def run_choice(run: dict, runs: list | None = None, nnodes=1) -> dict:
+    """The run's length and context_parallel: this node's decision, or with several nodes (`runs`: each node's
+    decision) the trainer's combination of them (eagle3.plan.decision.combine: one length and one size for all).
+
+    >>> run_choice({"max_seq_len": 32768, "context_parallel": 1, "data_parallel": 2, "summary": "s"})["max_seq_len"]
+    32768
+    >>> run_choice({}, [{"max_seq_len": 32768, "context_parallel": 1, "data_parallel": 4},
+    ...                 {"max_seq_len": 16384, "context_parallel": 4, "data_parallel": 1}], 2)["context_parallel"]
+    4
+    """
+    if int(nnodes or 1) < 2 or not runs:
+        return run
+    return trainer_module("plan.decision").combine(list(runs))
 
 
 def context_parallel_refusal(cp, world_size, nnodes=1, msl="auto") -> str:
@@ -105,4 +122,8 @@ def context_parallel_refusal(cp, world_size, nnodes=1, msl="auto") -> str:
 
 class FilterModule:
     def filters(self):
-        return {"seq_len_refusal": seq_len_refusal, "context_parallel_refusal": context_parallel_refusal}
+        return {
+            "plan_refusal": plan_refusal,
+            "run_choice": run_choice,
+            "context_parallel_refusal": context_parallel_refusal,
+        }

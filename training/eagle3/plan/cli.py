@@ -29,11 +29,14 @@ from pathlib import Path
 from eagle3.bounds import SEQ_BLOCK, SEQ_MULTIPLE, seq_len_for
 from eagle3.errors import EXIT_CONFIG, EXIT_OK, ConfigError
 from eagle3.options import TTT_STEPS
+from eagle3.plan.decision import decide
 from eagle3.plan.fit import Plan, budget_bytes, context_parallel_choice, cpu_heap_chunk, make_plan
 from eagle3.plan.gpu_probe import ProbeUnavailable, probe
 from eagle3.plan.model import DEFAULT_LENGTHS, GIB
 from eagle3.spec import SHAPE_KEYS, SHAPES, RunSpec, data_bytes_of, drafter_config, spec_of
 
+# --unplanned: a budget no length reaches, so only the run's rules (heads, divisors) can refuse it.
+UNBOUNDED_GB = 1048576.0
 # The options the command line shares with the trainer config: given, they replace the config's.
 SHARED_KEYS = (
     "dtype",
@@ -186,7 +189,8 @@ def _trainer_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="INT",
-        help="the length --context-parallel auto must fit (default: see above)",
+        help='the run\'s length: the decision ("run" with --json) says whether it fits, and --context-parallel '
+        "auto must fit it (default: auto, the largest that fits)",
     )
     p.add_argument(
         "--loss-chunk-size",
@@ -216,6 +220,15 @@ def _output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-lengths", default="4096,8192", metavar="N,N", help="the two probe lengths")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="probe cache (default: ~/.cache/eagle3/plan)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the Ansible role parses it)")
+    p.add_argument(
+        "--unplanned",
+        default="",
+        metavar="REASON",
+        help="do not bound the length by memory (only the run's rules are checked); REASON is said in the decision",
+    )
+    p.add_argument(
+        "--memory-source", default="", metavar="TEXT", help="where --memory-gb comes from, named in the decision"
+    )
 
 
 def context_parallel_arg(text: str) -> int | str:
@@ -396,10 +409,15 @@ def choose(plan: Plan, probe_result: dict) -> tuple[str, int, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else sys.argv[1:])
+    asked_cp = args.context_parallel
     try:
         args.world_size, args.nnodes = resolve_ranks(args.world_size, args.nnodes, args.nproc_per_node)
+        if args.unplanned:
+            args.memory_gb, args.probe = UNBOUNDED_GB, False  # the rules (heads, divisors) still checked
         spec, memory = spec_from_args(args)
         lengths = parse_lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
+        if args.max_seq_len and args.max_seq_len not in lengths:
+            lengths.append(args.max_seq_len)  # the row the decision reads
         cp_table = None
         if args.context_parallel == "auto":
             cp, cp_table = context_parallel_choice(spec, budget_bytes(memory, args.margin), args.asked_len)
@@ -430,8 +448,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"eagle3 plan: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    result = plan.to_json()
+    result["run"] = decide(
+        result,
+        args.max_seq_len,
+        asked_cp if asked_cp is not None else result["context_parallel"],
+        unplanned=args.unplanned,
+        memory_source=args.memory_source,
+    )
     if args.json:
-        print(json.dumps(plan.to_json()))
+        print(json.dumps(result))
     else:
         print(format_table(plan))
+        print(result["run"]["refusal"] or result["run"]["summary"])
     return EXIT_OK
