@@ -212,7 +212,17 @@ def test_cli_json_is_what_the_ansible_role_parses(capsys):
     assert out["options"]["activation_checkpointing"] and out["options"]["fsdp"]
 
 
-KIMI = "--shape kimi-k2.5 --world-size 8 --memory-gb 96 --activation-checkpointing --fsdp --json".split()
+KIMI = [
+    "--shape",
+    "kimi-k2.5",
+    "--world-size",
+    "8",
+    "--memory-gb",
+    "96",
+    "--activation-checkpointing",
+    "--fsdp",
+    "--json",
+]
 
 
 def test_the_planner_decides_the_runs_length_and_context_parallel(capsys):
