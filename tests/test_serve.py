@@ -85,7 +85,8 @@ EAGLE3 = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculato
     ("config", "weights", "problem"),
     [
         (EAGLE3, True, None),
-        ({"architectures": ["Eagle3DeepseekV3ForCausalLM"]}, True, None),  # the MLA layout
+        ({"architectures": ["Eagle3DeepseekV2ForCausalLM"]}, True, None),  # the MLA layout
+        ({"architectures": ["Eagle3DeepseekV3ForCausalLM"]}, True, None),  # an older MLA export
         (None, True, "has no config.json, so it is no export"),
         ("{not json", True, "has a config.json that cannot be read as JSON"),
         ({"architectures": ["LlamaForCausalLM"]}, True, "something else than an EAGLE-3"),

@@ -1,5 +1,5 @@
 """The export layout of an MLA drafter: the config.json vLLM's EAGLE-3 DeepSeek drafter (deepseek_eagle3,
-`Eagle3DeepseekV3ForCausalLM`) reads, a DeepseekV3Config of one decoder layer, and reading it back.
+`Eagle3DeepseekV2ForCausalLM`) reads, a DeepseekV2Config of one decoder layer, and reading it back.
 
 speculators' format has no MLA layer, so an MLA drafter is written the way vLLM's own loader and the published
 MLA drafters for Kimi and DeepSeek targets describe it: the target's attention fields (q_lora_rank, kv_lora_rank,
@@ -22,7 +22,10 @@ from eagle3.errors import ConfigError
 from eagle3.rope import normalize_rope_scaling
 from eagle3.spec import MLA_KEYS, DrafterConfig
 
-ARCHITECTURES = ("Eagle3DeepseekV3ForCausalLM", "Eagle3DeepseekV2ForCausalLM")
+# Written: the first. vLLM (0.32) maps both to its one EAGLE-3 DeepSeek class, but rewrites any draft config of
+# model_type deepseek_v3 into its MTP model ("Eagle3DeepSeekMTPModel ... not supported"), so the export is a
+# deepseek_v2 config (the same attention fields); an older export's V3 name still reads back.
+ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 ATTENTION_WEIGHTS = (
     "q_a_proj",
     "q_a_layernorm",
@@ -155,11 +158,11 @@ def deepseek_eagle3_config(
     max_position_embeddings: int,
     dtype: torch.dtype,
 ) -> dict:
-    """The config.json dictionary of an MLA drafter (a DeepseekV3Config of one layer, with EAGLE-3's fields)."""
+    """The config.json dictionary of an MLA drafter (a DeepseekV2Config of one layer, with EAGLE-3's fields)."""
     scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
     return {
         "architectures": [ARCHITECTURES[0]],
-        "model_type": "deepseek_v3",
+        "model_type": "deepseek_v2",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_heads,

@@ -255,7 +255,7 @@ def test_an_mla_drafter_learns_resumes_and_exports_in_vllms_deepseek_layout(tmp_
         tmp_path / "export.txt"
     ).read_text()[-2000:]
     exported = json.loads((out / "config.json").read_text())
-    assert exported["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and exported["kv_lora_rank"] == 16
+    assert exported["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and exported["kv_lora_rank"] == 16
 
 
 @pytest.mark.slow
@@ -296,7 +296,7 @@ def test_an_mla_drafter_round_trips_through_vllms_deepseek_layout_with_identical
     model, batch = make_model(cfg), make_row(cfg, [40, 30])
     export_speculators(model, tmp_path / "out", dtype=torch.float32, speculative_tokens=3, **MLA_VERIFIER)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v2"
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["num_hidden_layers"]) == (16, 8, 1)
     assert config["q_lora_rank"] == (q_lora_rank or None)  # DeepseekV3Config: null means queries without low rank
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(cfg.aux_layer_ids)

@@ -12,6 +12,7 @@ import pytest
 from eagle3.engine_vllm import open_pair
 from eagle3.evaluate import TargetRunner, evaluate, evaluate_vllm, greedy, prompts_from
 from eagle3.samples import read_records
+from eagle3.tiny_target import cached
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # The tiny drafter's training (shared with test_evaluate) and two engine starts come first on a loaded machine.
@@ -82,3 +83,27 @@ def test_the_vllm_report_has_evaluates_fields_and_sane_figures(tiny_drafter, eng
     ratio = result["tokens_per_second"] / result["greedy_tokens_per_second"]
     assert abs(result["speedup"] - ratio) < 0.01
     assert set(result["engine_start_seconds"]) == {"speculative", "greedy"}
+
+
+def test_vllm_reads_the_mla_export_as_its_eagle3_deepseek_drafter(tmp_path, tiny_config, make_model):
+    """vLLM's configuration of an MLA export (no engine starts: its CPU build runs MLA only in bfloat16 beside an
+    MLA target, docs/serving.md): the draft config resolves to vLLM's EAGLE-3 DeepSeek class, with the aux layers.
+    A deepseek_v3 config would be rewritten into vLLM's MTP model and refused here ("Eagle3DeepSeekMTPModel")."""
+    from eagle3.export import export_speculators
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = tiny_config(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+    export = export_speculators(
+        make_model(cfg),
+        tmp_path / "mla",
+        speculative_tokens=K,
+        verifier_name_or_path="moonshotai/Kimi-K2-Instruct",
+        verifier_architectures=["DeepseekV3ForCausalLM"],
+    )
+    target = cached(log=lambda *a, **k: None)  # any model folder does for the draft's configuration
+    speculative = {"method": "eagle3", "model": str(export), "num_speculative_tokens": K}
+    args = EngineArgs(model=str(target), speculative_config=speculative, dtype="bfloat16", skip_tokenizer_init=True)
+    draft = args.create_engine_config().speculative_config.draft_model_config
+    assert draft.architectures == ["Eagle3DeepseekV2ForCausalLM"]
+    assert list(draft.hf_config.eagle_aux_hidden_state_layer_ids) == list(cfg.aux_layer_ids)
+    assert (draft.hf_config.kv_lora_rank, draft.hf_config.q_lora_rank) == (16, 24)
