@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import posixpath
+import re
 import shlex
 import subprocess
 import sys
@@ -93,6 +94,30 @@ def test_every_variable_of_every_role_has_a_grammar(role):
     assert table <= declared, f"{role}: {sorted(table - declared)} not in meta/argument_specs.yml"
     assert table <= defaults, f"{role}: {sorted(table - defaults)} without a default in defaults/main.yml"
     assert not set(ri.ROLE_FACTS.get(role, ())) & table, "a variable the role sets itself is not an input"
+
+
+INVENTORIES = sorted(p for p in (ROOT / "inventory").glob("*/*_vars/*.yml"))
+
+
+def test_every_variable_an_inventory_sets_is_one_the_project_reads():
+    """inventory/example, example-multinode and local set only declared variables: a role's (its table and
+    argument_specs, above), the inventory-wide Proxmox API settings the CT role defaults from (pve_api_*), the pct
+    connection's options, Ansible's own (ansible_*), and the local inventory's root. A misspelt name fails here
+    instead of being silently ignored by every role."""
+    known = {name for table in ri.ROLE_VARIABLES.values() for name in table}
+    known |= set(
+        re.findall(r"\b(pve_api_\w+) \| default", (ROOT / "roles/pve_gpu_container/defaults/main.yml").read_text())
+    )
+    connection = yaml.safe_load(
+        (ROOT / "plugins/connection/pct.py").read_text().split('DOCUMENTATION = r"""')[1].split('"""')[0]
+    )
+    known |= {v["name"] for option in connection["options"].values() for v in option.get("vars", [])}
+    known |= {"eagle3_root"}  # inventory/local: the checkout's root, for the paths below it
+    assert len(INVENTORIES) >= 6, INVENTORIES
+    for path in INVENTORIES:
+        names = set(yaml.safe_load(path.read_text()) or {})
+        unknown = sorted(n for n in names - known if not n.startswith("ansible_"))
+        assert not unknown, f"{path.relative_to(ROOT)}: {unknown} is no variable of a role, pct or Ansible"
 
 
 def string_variables():
