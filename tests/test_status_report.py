@@ -117,15 +117,13 @@ def test_status_rejects_a_report_value_that_is_not_a_boolean(target, tmp_path):
 
 
 def test_the_trainers_starvation_rule_is_the_summarys():
-    """eagle3/observe.py marks starved samples with a copy of module_utils/nvml.py's thresholds (the trainer
+    """eagle3/gpu_telemetry.py marks starved samples with a copy of module_utils/nvml.py's thresholds (the trainer
     cannot import module_utils): the report's red crosses and the status summary's flag must agree."""
     import ast
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("nvml", ROOT / "module_utils" / "nvml.py")
-    nvml = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nvml)
-    tree = ast.parse((ROOT / "training" / "eagle3" / "observe.py").read_text())
+    from module_utils import nvml
+
+    tree = ast.parse((ROOT / "training" / "eagle3" / "gpu_telemetry.py").read_text())
     copies = {
         node.targets[0].id: ast.literal_eval(node.value)
         for node in tree.body

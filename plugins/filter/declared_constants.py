@@ -49,12 +49,9 @@ def target_module(module_name: str):
     >>> target_module("job_files").glob_problem("/dev/shm/nccl-*") is None
     True
     """
-    key = f"_target_constant_{module_name}"
-    if key not in sys.modules:  # (registered before it runs: a dataclass looks its module up there)
-        spec = importlib.util.spec_from_file_location(key, ROOT / "module_utils" / f"{module_name}.py")
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
+    if str(ROOT) not in sys.path:  # module_utils/ as a package: its files import each other relatively
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"module_utils.{module_name}")
 
 
 def trainer_module(module_name: str):

@@ -13,7 +13,8 @@ import struct
 import zlib
 
 import pytest
-from eagle3.observe import PROM_FILE, TELEMETRY_FILE, GpuSampler, Observer, prom_text
+from eagle3.gpu_telemetry import TELEMETRY_FILE, GpuSampler
+from eagle3.observe import PROM_FILE, Observer, prom_text
 from eagle3.progress import Progress
 from eagle3.report import PANELS
 from pipeline_support import read_status, run_trainer, synth_dataset, write_config
@@ -196,7 +197,7 @@ def test_gpu_samples_carry_the_starvation_flag_into_the_textfile(tmp_path):
             "memory_total_bytes": 2.0**37,
         }
     ]
-    from eagle3.observe import gpu_sample
+    from eagle3.gpu_telemetry import gpu_sample
 
     sampler = GpuSampler(tmp_path, 0, lambda: 7, lambda: [gpu_sample(**g) for g in gpus], "nvml")
     sample = sampler.sample_once()
@@ -273,7 +274,7 @@ def test_nvml_reader_converts_units_and_flags_starvation(monkeypatch):
     import types
 
     import torch
-    from eagle3.observe import nvml_reader
+    from eagle3.gpu_telemetry import nvml_reader
 
     fake = types.ModuleType("pynvml")
     fake.NVMLError = type("NVMLError", (Exception,), {})
@@ -313,7 +314,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_trainer_writes(run):
     file, plus the GPU families from a sample, which a CPU run has none of)."""
     from pathlib import Path
 
-    from eagle3.observe import gpu_sample
+    from eagle3.gpu_telemetry import gpu_sample
     from prometheus_client.parser import text_string_to_metric_families
 
     run_dir, _ = run

@@ -13,7 +13,8 @@ import zlib
 
 import pytest
 from eagle3 import checkpoint as ckpt
-from eagle3.observe import TENSORBOARD_DIR, Observer, gpu_sample, tb_values
+from eagle3.gpu_telemetry import gpu_sample
+from eagle3.observe import TENSORBOARD_DIR, Observer, tb_values
 from pipeline_support import read_metrics, run_trainer, synth_dataset, write_config
 
 event_accumulator = pytest.importorskip(
