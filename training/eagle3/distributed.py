@@ -313,3 +313,56 @@ def param_checksum(model: torch.nn.Module) -> float:
 def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ the drafter over the ranks
+def wrap_for_ranks(model: torch.nn.Module, run, info: DistInfo, autocast_dtype, log) -> torch.nn.Module:
+    """What a step calls: the drafter sharded by FSDP2 (HSDP over nodes), inside DDP, or as it is (one rank).
+    `run`: the resolved run options (eagle3.options.RunOptions)."""
+    device = info.device
+    if run.sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # One FSDP2 group over the whole drafter (a single decoder layer, called once per TTT step):
+        # parameters, gradients and AdamW state are sharded; compute in bf16, gradients reduced in fp32.
+        if run.hsdp:  # HSDP: replicated across the nodes, sharded over the ranks of each node
+            mesh = init_device_mesh(device.type, (run.nodes, run.shard_ranks), mesh_dim_names=("replicate", "shard"))
+            log(
+                f"sharding: hsdp over {run.nodes} nodes x {run.shard_ranks} ranks (each node holds one "
+                "sharded copy; gradients are reduced within a node, then averaged across nodes)"
+            )
+        else:
+            mesh = init_device_mesh(device.type, (info.world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+    if info.enabled:
+        import warnings
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [device.index] if device.type == "cuda" else None
+        # ttt_forward calls model(batch, ...), so DDP's forward hooks run and gradients are all-reduced.
+        # No buffer sync: the vocab maps and frozen target rows are identical on every rank, and the full
+        # target head rows (a buffer of (V_target - V_draft) x H) would otherwise be broadcast every step.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            return DDP(model, device_ids=ids, broadcast_buffers=False)
+    return model
+
+
+def check_hsdp_groups(nodes_of: dict[int, int], shard_ranks: int, log) -> None:
+    """Warn when an HSDP shard group (ranks i*shard_ranks ..) spans nodes: still correct, but its all-gathers and
+    reduce-scatters then cross the network. torchrun numbers ranks node by node, so this should not happen.
+
+    >>> check_hsdp_groups({0: 0, 1: 0, 2: 1, 3: 1}, 2, print)
+    >>> check_hsdp_groups({0: 0, 1: 1, 2: 0, 3: 1}, 2, print)
+    warning: hsdp shard group of ranks [0, 1] spans nodes [0, 1]: collectives cross nodes
+    """
+    for start in range(0, len(nodes_of), shard_ranks):
+        ranks = list(range(start, start + shard_ranks))
+        spans = sorted({nodes_of[r] for r in ranks if r in nodes_of})
+        if len(spans) > 1:
+            log(f"warning: hsdp shard group of ranks {ranks} spans nodes {spans}: collectives cross nodes")
+            return

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -51,22 +50,6 @@ from eagle3.packing import EpochPlan, plan_epoch, split_train_val
 from eagle3.process import StopRequested, inject_oom
 from eagle3.spec import DrafterConfig, RunSpec, resolve_spec
 from eagle3.watchdog import Watchdog, fault_hang_step, injected_hang
-
-
-def check_hsdp_groups(nodes_of: dict[int, int], shard_ranks: int, log) -> None:
-    """Warn when an HSDP shard group (ranks i*shard_ranks ..) spans nodes: still correct, but its all-gathers and
-    reduce-scatters then cross the network. torchrun numbers ranks node by node, so this should not happen.
-
-    >>> check_hsdp_groups({0: 0, 1: 0, 2: 1, 3: 1}, 2, print)
-    >>> check_hsdp_groups({0: 0, 1: 1, 2: 0, 3: 1}, 2, print)
-    warning: hsdp shard group of ranks [0, 1] spans nodes [0, 1]: collectives cross nodes
-    """
-    for start in range(0, len(nodes_of), shard_ranks):
-        ranks = list(range(start, start + shard_ranks))
-        spans = sorted({nodes_of[r] for r in ranks if r in nodes_of})
-        if len(spans) > 1:
-            log(f"warning: hsdp shard group of ranks {ranks} spans nodes {spans}: collectives cross nodes")
-            return
 
 
 def check_run_dir_shared(cfg: TrainConfig, info: dist_utils.DistInfo) -> dict[int, int]:
@@ -228,7 +211,7 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if run.autocast else None
         if run.store_frozen_bf16:
             self.model.frozen_to(torch.bfloat16)  # frozen embedding and target heads in bf16: half the bytes
-        self.step_module = self.wrap_model()
+        self.step_module = dist_utils.wrap_for_ranks(self.model, run, self.info, self.autocast_dtype, self.log)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         fused = {"fused": True} if device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(
@@ -264,40 +247,6 @@ class Trainer:
             f"max_seq_len {cfg.max_seq_len} (fill {plan.fill:.0%}, {plan.truncated} truncated), "
             f"total {self.total_steps} steps"
         )
-
-    def wrap_model(self) -> torch.nn.Module:
-        """What a step calls: the drafter sharded by FSDP2 (HSDP over nodes), inside DDP, or as it is (one rank)."""
-        run, device = self.run_options, self.info.device
-        if run.sharded:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            # One FSDP2 group over the whole drafter (a single decoder layer, called once per TTT step):
-            # parameters, gradients and AdamW state are sharded; compute in bf16, gradients reduced in fp32.
-            if run.hsdp:  # HSDP: replicated across the nodes, sharded over the ranks of each node
-                mesh = init_device_mesh(
-                    device.type, (run.nodes, run.shard_ranks), mesh_dim_names=("replicate", "shard")
-                )
-                self.log(
-                    f"sharding: hsdp over {run.nodes} nodes x {run.shard_ranks} ranks (each node holds one "
-                    "sharded copy; gradients are reduced within a node, then averaged across nodes)"
-                )
-            else:
-                mesh = init_device_mesh(device.type, (self.info.world_size,))
-            policy = MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32)
-            fully_shard(self.model, mesh=mesh, mp_policy=policy)
-            return self.model
-        if self.info.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            ids = [device.index] if device.type == "cuda" else None
-            # ttt_forward calls model(batch, ...), so DDP's forward hooks run and gradients are all-reduced.
-            # No buffer sync: the vocab maps and frozen target rows are identical on every rank, and the full
-            # target head rows (a buffer of (V_target - V_draft) x H) would otherwise be broadcast every step.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-                return DDP(self.model, device_ids=ids, broadcast_buffers=False)
-        return self.model
 
     # ----------------------------------------------------------------------------------- pieces
     def fetch_row(

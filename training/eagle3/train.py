@@ -33,7 +33,7 @@ from eagle3.errors import (
     StorageError,
 )
 from eagle3.files import atomic_write_json
-from eagle3.loop import Trainer, check_hsdp_groups, check_run_dir_shared
+from eagle3.loop import Trainer, check_run_dir_shared
 from eagle3.metrics import (
     RunFiles,
 )
@@ -235,7 +235,7 @@ class Run:
         # More than one node: run_dir must be one shared directory (exit 2 naming the node that cannot see it).
         nodes_of = check_run_dir_shared(cfg, info)
         if trainer.run_options.hsdp:
-            check_hsdp_groups(nodes_of, trainer.run_options.shard_ranks, trainer.log)
+            dist_utils.check_hsdp_groups(nodes_of, trainer.run_options.shard_ranks, trainer.log)
         # Every rank: from here on, no finished step within the bound ends the process with EXIT_HANG.
         self.watchdog = Watchdog(
             floor_s=cfg.watchdog_floor_s,
