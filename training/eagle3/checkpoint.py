@@ -58,6 +58,7 @@ class TrainerState:
     seed: int
     best_val_loss: float | None = None
     best_step: int | None = None
+    best_tau: float | None = None  # the best checkpoint's tau_predicted (None: chosen by the loss, or before the key)
     packing: str = "next_fit"  # the packer of the epoch plans; checkpoints from before the key used next_fit
     context_parallel: int = 1  # ranks per row (the plan has world_size / it rows per step); 1 before the key
 

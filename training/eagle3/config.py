@@ -127,6 +127,12 @@ class TrainConfig:
         "validation rows per rank at most (the first of the fixed validation plan); 0: all",
         bound=NON_NEGATIVE,
     )
+    val_max_new: int = option(
+        0,
+        "tau_predicted replays only each validation response's first N tokens, as a decoder that writes N tokens "
+        "per prompt (evaluate's --max-new); 0: whole responses",
+        bound=NON_NEGATIVE,
+    )
     checkpoint_every: int = option(
         1000, "steps between checkpoints (one is also written at the end and on a stop)", bound=AT_LEAST_1
     )

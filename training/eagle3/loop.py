@@ -332,7 +332,8 @@ class Trainer:
             if not real and not collective:
                 continue
             with self.autocast():
-                _, stats = ttt_forward(self.model, self.to_device(row), **self.ttt_kwargs())
+                kwargs = {**self.ttt_kwargs(), "walk_max_new": self.cfg.val_max_new}
+                _, stats = ttt_forward(self.model, self.to_device(row), **kwargs)
             if real:
                 acc.add_stats(stats)
         # One collective: the statistics and whether any rank gave up early.
@@ -493,8 +494,15 @@ class Trainer:
         )
         if self.info.is_main:
             self.files.append_metrics({"kind": "val", **val})
-        loss = val["loss"]
-        if loss is not None and (state.best_val_loss is None or loss < state.best_val_loss):
+        # The best checkpoint: the highest predicted tau_real; the lowest loss where there is no prediction (context
+        # parallelism) or no run chose by it yet.
+        tau, loss = val.get("tau_predicted"), val["loss"]
+        if tau is not None:
+            if state.best_tau is None or tau > state.best_tau:
+                state.best_tau, state.best_val_loss, state.best_step = tau, loss, state.step
+                return True
+            return False
+        if state.best_tau is None and loss is not None and (state.best_val_loss is None or loss < state.best_val_loss):
             state.best_val_loss, state.best_step = loss, state.step
             return True
         return False

@@ -16,7 +16,7 @@ import torch
 
 from eagle3.acceptance import acceptance_length
 from eagle3.files import atomic_write_json
-from eagle3.model import STAT_KEYS  # the sum/count pairs ttt_forward returns: one definition
+from eagle3.step_stats import STAT_KEYS  # the sum/count pairs ttt_forward returns: one definition
 
 TIMER_KEYS = ("fetch", "fwd", "bwd", "opt")
 # Extra scalars reduced with the stats: summed across ranks, except peak memory (max).
@@ -77,6 +77,9 @@ def summarize(stats: torch.Tensor) -> dict[str, list[float | None]]:
         # token at each step, over all positions (not given the steps before; eagle3.loss)
         "expected_acc": rate(s["alpha_sum"], s["count"]),
         "count": [float(v) for v in s["count"].tolist()],
+        # the rounds a greedy decoder would run over the rows (validation; eagle3.acceptance.round_walk)
+        "round_tokens": float(s["round_tokens_sum"][0]),
+        "rounds": float(s["rounds_sum"][0]),
     }
 
 
@@ -240,8 +243,11 @@ def val_record(step: int, summary: dict, batches: int | None = None, batches_tot
     """One validation result (status.json `val`, and metrics.jsonl with `kind: val`).
 
     `acceptance_length` is the simulated tokens per draft-and-verify round of chain drafting over the
-    `ttt_steps` steps, from `cond_acc_true` (eagle3.acceptance); `acceptance_length_draft_vocab` the same from
-    `cond_acc` (an upper bound). `batches` rows per rank were run out of `batches_total` (val_max_batches).
+    `ttt_steps` steps, from `cond_acc_true` (eagle3.acceptance), every slot counted as a round's start;
+    `acceptance_length_draft_vocab` the same from `cond_acc` (an upper bound); `tau_predicted` the tokens per
+    round of the rounds a greedy decoder would run over the validation responses, round by round from the
+    frontier (eagle3.acceptance.round_walk: the prediction of evaluate's tau_real; None under context parallelism).
+    `batches` rows per rank were run out of `batches_total` (val_max_batches).
 
     >>> t = torch.zeros(len(STAT_KEYS), 2, dtype=torch.float64)
     >>> for key, v in {"count": [10., 8.], "loss_sum": [5., 8.], "cond_acc_sum": [8., 4.], "cond_acc_count": [10., 8.],
@@ -256,6 +262,7 @@ def val_record(step: int, summary: dict, batches: int | None = None, batches_tot
         **rate_fields(summary),
         "acceptance_length": acceptance_length(summary["cond_acc_true"]),
         "acceptance_length_draft_vocab": acceptance_length(summary["cond_acc"]),
+        "tau_predicted": round(summary["round_tokens"] / summary["rounds"], 4) if summary.get("rounds") else None,
         "positions": summary["count"][0],
         "batches": batches,
         "batches_total": batches_total,

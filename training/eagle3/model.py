@@ -40,24 +40,13 @@ from eagle3.attention import TTTAttention
 from eagle3.config import check_key
 from eagle3.context import SINGLE, ContextShard, row_attention
 from eagle3.errors import ConfigError, DataError
-from eagle3.loss import DEFAULT_CHUNK_SIZE, _joined, fused_kl, target_probs
+from eagle3.loss import DEFAULT_CHUNK_SIZE, fused_kl, target_probs
 from eagle3.mla import MLAAttention, softmax_scale
 from eagle3.options import TTT_STEPS, checkpoint_mode
 from eagle3.rope import rope_cos_sin
 from eagle3.spec import DrafterConfig
+from eagle3.step_stats import STAT_KEYS, step_statistics, true_target_ids
 from eagle3.supervision import check_batch, shift_tokens, step_supervision
-
-STAT_KEYS = (
-    "loss_sum",
-    "full_acc_sum",
-    "cond_acc_sum",
-    "cond_acc_count",
-    "full_acc_true_sum",
-    "cond_acc_true_sum",
-    "cond_acc_true_count",
-    "count",
-    "alpha_sum",
-)
 
 
 class RMSNorm(nn.Module):
@@ -367,6 +356,7 @@ class Eagle3Drafter(nn.Module):
         attention: str = "auto",
         context: ContextShard = SINGLE,
         lk_weight: float = 0.0,
+        walk_max_new: int = 0,
     ):
         """See `ttt_forward`."""
         return _ttt_loss(
@@ -379,6 +369,7 @@ class Eagle3Drafter(nn.Module):
             attention,
             context,
             lk_weight,
+            walk_max_new,
         )
 
 
@@ -412,6 +403,7 @@ def _ttt_loss(
     attention,
     context: ContextShard = SINGLE,
     lk_weight: float = 0.0,
+    walk_max_new: int = 0,
 ):
     """The TTT steps first (every step's hidden state is kept for backward anyway: the next step's input), then
     the loss walked by chunks of *target* slots: a chunk's target logits, argmax and probabilities are made once
@@ -468,62 +460,12 @@ def _ttt_loss(
         del p_t, neg_entropy
     del hiddens
     restricted_ids = torch.cat(restricted) if restricted else torch.zeros(0, dtype=torch.long, device=device)
-    true_ids = _true_target_ids(model, batch, true, restricted_ids)
-    stats = _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden, alphas)
+    true_ids = true_target_ids(model, batch, true, restricted_ids)
+    # Evaluation mode (the validation) replays the rounds of a decoder; not under context parallelism: a round crosses
+    # the ranks' shares of a row. -1: no walk.
+    walk = -1 if model.training or context.enabled else walk_max_new
+    stats = step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden, alphas, walk)
     return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
-
-
-def _true_target_ids(model: Eagle3Drafter, batch: dict, true: list, restricted_ids: torch.Tensor) -> torch.Tensor:
-    """The target's argmax over its whole vocabulary per slot (the true-target accuracy): from the chunks, or the
-    batch's `target_ids`; an error when neither can give it."""
-    if true and true[0] is not None:
-        true_ids = torch.cat(true)
-    else:  # an empty row has no chunk: no ids, but the head decides whether there would be
-        true_ids = restricted_ids if not true and getattr(model, "_full_head", False) else None
-    if "target_ids" in batch:
-        true_ids = batch["target_ids"].long()
-    if true_ids is None:
-        raise ConfigError(
-            "true-target accuracy needs the target head rows outside the draft vocab: call "
-            "load_target_weights(..., keep_full_head=True) or put `target_ids` (target argmax per slot) in the batch"
-        )
-    return true_ids
-
-
-def _step_statistics(model, loss, kls, ids, sup, restricted_ids, true_ids, last_hidden, alphas) -> torch.Tensor:
-    """[len(STAT_KEYS), ttt_steps] float64 sums and counts on the CPU: the loss, the accuracies within the draft
-    vocabulary and against the true target (a slot counts at step k when it and every step before were right), and
-    the expected acceptance alpha (eagle3.loss)."""
-    device, seq_len, ttt_steps = last_hidden.device, last_hidden.shape[0], len(sup)
-    stats = torch.zeros(len(STAT_KEYS), ttt_steps, dtype=torch.float64, device=device)
-    all_right = torch.ones(seq_len, dtype=torch.bool, device=device)  # every step so far correct
-    all_right_true = all_right.clone()
-    for step in range(ttt_steps):
-        supervised, count = sup[step]
-        n = supervised.shape[0]
-        _, kl, draft_ids = _joined(loss, kls[step], ids[step], last_hidden)
-        alpha = torch.cat(alphas[step]) if alphas[step] else torch.zeros_like(kl)  # a row without positions
-        target_slot = torch.arange(n, device=device) + 1 + step
-        right = draft_ids == restricted_ids[target_slot]  # [n]
-        right_true = (draft_ids + model.d2t[draft_ids]) == true_ids[target_slot]  # [n]
-        before, before_true = all_right[:n].clone(), all_right_true[:n].clone()
-        all_right[:n] &= right
-        all_right_true[:n] &= right_true
-        s = supervised
-        stats[:, step] = torch.stack(
-            [
-                (kl * s).sum().double(),
-                (all_right[:n] & s).sum().double(),
-                (all_right[:n] & s).sum().double(),
-                (before & s).sum().double(),
-                (all_right_true[:n] & s).sum().double(),
-                (all_right_true[:n] & s).sum().double(),
-                (before_true & s).sum().double(),
-                count.double(),
-                (alpha * s).sum().double(),
-            ]
-        )
-    return stats.cpu()  # one transfer for all statistics
 
 
 def ttt_forward(
@@ -537,6 +479,7 @@ def ttt_forward(
     attention: str = "auto",
     context: ContextShard = SINGLE,
     lk_weight: float = 0.0,
+    walk_max_new: int = 0,
 ):
     """Loss and statistics of one packed row over `ttt_steps` TTT steps.
 
@@ -547,7 +490,9 @@ def ttt_forward(
     whose draft argmax matched at every step 0..k), cond_acc_sum / cond_acc_count (matched at k
     among slots that matched at every step < k), and the *_true_* versions that compare against
     the target's argmax over its whole vocabulary (a target token outside the draft vocab is a miss), and
-    alpha_sum (the expected acceptance sum_v min(p_target, p_draft), summed over supervised slots).
+    alpha_sum (the expected acceptance sum_v min(p_target, p_draft), summed over supervised slots), and in
+    evaluation mode round_tokens_sum / rounds_sum (step 0's column): the rounds a greedy decoder writing at most
+    `walk_max_new` tokens per response (0: all) would run over the row (eagle3.acceptance.round_walk).
 
     context (eagle3.context): this rank's share of the row (eagle3.context.shard_row made the batch): the loss
     and the statistics of its slots; summed over the context-parallel ranks they are the row's.
@@ -563,6 +508,7 @@ def ttt_forward(
         attention=attention,
         context=context,
         lk_weight=lk_weight,
+        walk_max_new=walk_max_new,
     )
 
 

@@ -177,6 +177,12 @@ def _validation_metrics(p: PromText, val: dict) -> None:
         "simulated tokens per draft-and-verify round at the last validation",
         val.get("acceptance_length"),
     )
+    p.add(
+        "eagle3_train_tau_predicted_tokens",
+        "gauge",
+        "tokens per round a greedy decoder would get over the validation responses (the prediction of tau_real)",
+        val.get("tau_predicted"),
+    )
 
 
 def _gpu_metrics(p: PromText, g: dict) -> None:

@@ -202,6 +202,9 @@ def _acceptance_panel(ax, runs: list[Run]) -> None:
             ax.plot(xs, ys, "o-", color=f"C{i % 10}", label=f"{run.label} (target vocab)")
             dx, dy = _series(run.val, "acceptance_length_draft_vocab")
             ax.plot(dx, dy, "x:", color=f"C{i % 10}", alpha=0.6, label=f"{run.label} (draft vocab bound)")
+            px, py = _series(run.val, "tau_predicted")
+            if px:  # the rounds a decoder would run over the validation responses: the prediction of tau_real
+                ax.plot(px, py, "s--", color=f"C{i % 10}", alpha=0.8, label=f"{run.label} (tau_predicted)")
             drawn = True
         if run.evaluated:  # measured by speculative decoding (eagle3 evaluate), K drafts per round
             ex, ey = _series(run.evaluated, "tau_real")

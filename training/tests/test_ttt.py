@@ -229,3 +229,38 @@ def test_bad_batches_name_the_key_and_the_expectation(make_model, make_row, tiny
         ttt_forward(model, {k: v for k, v in batch.items() if k != "position_ids"})
     with pytest.raises(ConfigError, match="ttt_steps=0 must be at least 1"):
         ttt_forward(model, batch, ttt_steps=0)
+
+
+def test_validation_replays_the_rounds_a_greedy_decoder_runs_over_the_row(make_model, make_row, tiny_config):
+    """In evaluation mode the statistics carry tau_predicted's sums: round_walk over each slot's accepted chain
+    (the leading steps whose draft, mapped to a target id, is the target's token there and supervised), counted
+    here slot by slot from the drafts themselves. The target's tokens are made to follow the drafter's step-0
+    guesses, so chains of several drafts occur; a training step does not replay (a Python loop over the row)."""
+    from eagle3.acceptance import round_walk
+    from eagle3.supervision import step_supervision
+
+    cfg, steps = tiny_config(draft_vocab_size=4, target_vocab_size=8), 3
+    model = make_model(cfg).eval()
+    lengths = [25, 17]
+    batch = make_row(cfg, lengths, seq_len=48, mask_prob=0.8, seed=2)
+    with torch.no_grad():
+        drafts = ttt_logits(model, batch, steps).argmax(-1)  # [steps, S] draft ids
+    proposed = drafts + model.d2t[drafts]  # as target ids
+    batch["target_ids"] = torch.cat([proposed[0, :1], proposed[0, :-1]])  # slot j+1's token: step 0's guess at j
+    sup = [step_supervision(batch["document_ids"], batch["loss_mask"], k)[1] for k in range(steps)]
+    chain = []
+    for j in range(sup[0].shape[0]):
+        n = 0
+        while n < steps and j < sup[n].shape[0] and sup[n][j] and proposed[n, j] == batch["target_ids"][j + 1 + n]:
+            n += 1
+        chain.append(n)
+    assert max(chain) >= 2  # the case has chains longer than one draft
+    for max_new in (0, 5):
+        with torch.no_grad():
+            _, stats = ttt_forward(model, batch, ttt_steps=steps, walk_max_new=max_new)
+        tokens, rounds = round_walk(chain, sup[0].tolist(), max_new=max_new)
+        assert rounds > 0 and (stats["round_tokens_sum"][0], stats["rounds_sum"][0]) == (tokens, rounds)
+    model.train()
+    with torch.no_grad():
+        _, stats = ttt_forward(model, batch, ttt_steps=steps)
+    assert stats["rounds_sum"].sum() == 0

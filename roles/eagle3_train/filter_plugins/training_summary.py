@@ -46,19 +46,21 @@ def _holder(h: dict) -> str:
 
 
 def _acceptance(status: dict) -> str:
-    """The last validation's simulated acceptance length (tokens per draft-and-verify round), or ''.
+    """The last validation's simulated acceptance length (tokens per draft-and-verify round) and its prediction of
+    the real one (tau_predicted: the rounds a decoder would run over the validation responses), or ''.
 
     >>> _acceptance({"acceptance_length": 2.4125, "acceptance_length_step": 500})
     'acceptance length 2.41 (val, step 500)'
-    >>> _acceptance({"val": {"step": 40, "acceptance_length": 1.5}}), _acceptance({"val": None})
-    ('acceptance length 1.50 (val, step 40)', '')
+    >>> _acceptance({"val": {"step": 40, "acceptance_length": 1.5, "tau_predicted": 1.42}}), _acceptance({"val": None})
+    ('acceptance length 1.50, predicted tau_real 1.42 (val, step 40)', '')
     """
     val = status.get("val") or {}
     value = status.get("acceptance_length", val.get("acceptance_length"))
     if value is None:
         return ""
     step = status.get("acceptance_length_step", val.get("step"))
-    return f"acceptance length {_f(value, '.2f')} (val, step {step if step is not None else '?'})"
+    predicted = f", predicted tau_real {_f(val['tau_predicted'], '.2f')}" if val.get("tau_predicted") else ""
+    return f"acceptance length {_f(value, '.2f')}{predicted} (val, step {step if step is not None else '?'})"
 
 
 def _workers(run: dict, status: dict) -> str:
