@@ -2,7 +2,7 @@
 trainer's validation of the evaluated checkpoint replayed (the same split, rows and statistics as
 eagle3.loop.Trainer.validate), its two figures beside evaluate's tau_real (prints figures; asserts nothing).
 
-    .venv-train/bin/python bench/prediction.py --work /var/tmp/recipe
+    .venv-train/bin/python bench/prediction.py --work /var/tmp/recipe [--max-new 48]
 
 - acceptance_length: the stationary estimate, every validation slot counted as the start of a round;
 - tau_predicted: the rounds a greedy decoder would run over the validation responses, round by round from the
@@ -29,8 +29,9 @@ from eagle3.packing import plan_epoch, split_train_val  # noqa: E402
 from eagle3.trained import load_trained  # noqa: E402
 
 
-def validation(run: Path, which: str = "best") -> dict:
-    """The validation record of the run's `which` checkpoint, as the trainer would have written it."""
+def validation(run: Path, which: str = "best", max_new: int = 0) -> dict:
+    """The validation record of the run's `which` checkpoint, as the trainer would have written it with
+    `val_max_new: max_new`."""
     model, _, cfg = load_trained(str(run), which, warn=lambda *a: None)
     reader = DatasetReader(cfg.data_dir)
     _, val_ids = split_train_val(reader.index.num_samples, cfg.val_fraction)
@@ -48,7 +49,8 @@ def validation(run: Path, which: str = "best") -> dict:
     with torch.no_grad():
         for assignment in plan.steps:
             row = reader.read_row(assignment[0], cfg.max_seq_len)
-            _, stats = ttt_forward(model, row, ttt_steps=cfg.ttt_steps, gamma=cfg.ttt_gamma, lk_weight=cfg.lk_weight)
+            kwargs = {"ttt_steps": cfg.ttt_steps, "gamma": cfg.ttt_gamma, "lk_weight": cfg.lk_weight}
+            _, stats = ttt_forward(model, row, walk_max_new=max_new, **kwargs)
             acc.add_stats(stats)
     return val_record(0, summarize(acc.stats), batches=len(plan.steps), batches_total=len(plan.steps))
 
@@ -56,21 +58,15 @@ def validation(run: Path, which: str = "best") -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="bench/recipe.py's work folder (its finished runs)")
-    ap.add_argument("--max-new", type=int, default=0, help="walk only each response's first N tokens (0: all)")
+    ap.add_argument("--max-new", type=int, default=48, help="val_max_new: evaluate's --max-new of the runs (0: all)")
     args = ap.parse_args()
-    if args.max_new:
-        import functools
-
-        from eagle3 import acceptance
-
-        acceptance.round_walk = functools.partial(acceptance.round_walk, max_new=args.max_new)
     rows = []
     for run in sorted(Path(args.work).glob("run-*")):
         result = run / "recipe-evaluation.json"
         if not result.is_file():
             continue
         real = json.loads(result.read_text())
-        val = validation(run)
+        val = validation(run, max_new=args.max_new)
         rows.append((run.name, real["tau_real"], val["acceptance_length"], val["tau_predicted"]))
     print(f"{'run':<36} {'tau_real':>8} {'stationary':>10} {'vs real':>8} {'predicted':>9} {'vs real':>8}")
     for name, real, stationary, predicted in rows:

@@ -64,25 +64,24 @@ def round_walk(chain: Sequence[int], supervised: Sequence[bool], max_new: int = 
     """(round tokens, rounds) of greedy chain drafting replayed over one row, round by round from the frontier
     as a decoder meets it: the prediction the validation makes of tau_real.
 
-    `supervised[j]`: slot j's next token is a supervised (response) token of the same document, so each run of
-    True is a response the decoder writes after its prompt. `chain[j]`: how many drafts made at slot j (the
-    decoder's frontier) the verifier accepts, the leading TTT steps whose draft equals the target's greedy token.
-    A response's first token comes from the prefill (not counted, as tau_real); then each round at slot j yields
-    chain[j] + 1 tokens (the accepted drafts and the target's own), clipped at the response's end, and the next
-    round starts chain[j] + 1 slots on. Only the slots a decoder reaches count: the stationary estimate
-    (acceptance_length) counts every slot, where a round starting after a rejection is harder than the average.
-    Exact on data the target wrote greedily (regenerated responses); on other data it follows the data's tokens.
-    `max_new` (0: all): each response ends after that many tokens, the prefill's included, as a decoder's would.
+    In the trainer's alignment (eagle3.model) slot j's step 0 reads token j+1 and drafts token j+2.
+    `supervised[j]`: that draft is supervised (loss_mask[j+1], the same document), so a run of True starting at j0
+    is a response whose first token, j0+1, the decoder's prefill wrote (not counted, as in tau_real). `chain[j]`:
+    how many drafts made at slot j the verifier accepts (the leading TTT steps whose draft is the target's greedy
+    token). The first round is at j0; a round at slot j yields chain[j] + 1 tokens (the accepted drafts and the
+    target's own), clipped at the response's end, and the next round is chain[j] + 1 slots on. Only the slots a
+    decoder reaches count: the stationary estimate (acceptance_length) counts every slot, where a round that
+    starts after a rejection is harder than the average. Exact where the responses are the target's own greedy
+    tokens; on other data the replay follows the data's tokens. `max_new` (0: all): each response ends after that
+    many tokens, the prefill's included, as a decoder writing `max_new` tokens per prompt stops.
 
-    >>> # a response of 5 tokens after slot 1: the prefill writes the first, rounds at slots 2, 3 (one draft accepted: two tokens) and 5
+    >>> # a response after slot 1: rounds at slots 1 (two drafts accepted: three tokens), 4 and 5
     >>> round_walk([0, 2, 0, 1, 0, 0, 0], [False, True, True, True, True, True, False])
-    (4, 3)
-    >>> round_walk([3, 3, 3], [True, True, True])  # prefill, then one round of 3 clipped at the end: 2 tokens
-    (2, 1)
+    (5, 3)
     >>> round_walk([0, 2, 0, 1, 0, 0, 0], [False, True, True, True, True, True, False], max_new=3)
-    (2, 2)
-    >>> round_walk([0, 0], [False, False])
-    (0, 0)
+    (2, 1)
+    >>> round_walk([5, 5, 5], [True, True, True]), round_walk([0, 0], [False, False])
+    ((3, 1), (0, 0))
     """
     n = len(supervised)
     remaining = [0] * (n + 1)  # supervised slots from j on, within the run
@@ -95,8 +94,7 @@ def round_walk(chain: Sequence[int], supervised: Sequence[bool], max_new: int = 
             j += 1
             continue
         end = j + remaining[j]
-        stop = min(end, j + max_new) if max_new > 0 else end
-        j += 1  # the prefill gives the response's first token
+        stop = min(end, j + max_new - 1) if max_new > 0 else end
         while j < stop:
             step = min(int(chain[j]) + 1, stop - j)
             tokens, rounds, j = tokens + step, rounds + 1, j + step

@@ -219,8 +219,9 @@ def load_drafter(path: str | Path, checkpoint: str = "best"):
     return model, cfg
 
 
-def simulated_tau(run_dir: Path, step: int) -> float | None:
-    """The validation acceptance length the run recorded at `step` (metrics.jsonl), if it validated there."""
+def simulated_tau(run_dir: Path, step: int, field: str = "acceptance_length") -> float | None:
+    """The validation figure `field` the run recorded at `step` (metrics.jsonl), if it validated there: the
+    stationary acceptance_length, or tau_predicted (the replayed rounds, the prediction of tau_real)."""
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:
@@ -230,8 +231,8 @@ def simulated_tau(run_dir: Path, step: int) -> float | None:
             record = json.loads(line)
         except ValueError:
             continue
-        if record.get("kind") == "val" and record.get("step") == step and record.get("acceptance_length") is not None:
-            return float(record["acceptance_length"])
+        if record.get("kind") == "val" and record.get("step") == step and record.get(field) is not None:
+            return float(record[field])
     return None
 
 
@@ -293,6 +294,7 @@ def evaluate(
     if run_cfg is not None:
         result["step"] = run_cfg.evaluated_step
         result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
+        result["tau_predicted"] = simulated_tau(Path(run_cfg.run_dir), result["step"], "tau_predicted")
     if baseline:
         result["tau_frequent_token"] = frequent_token_tau(runner, target.config.vocab_size, prompt_ids, max_new, k, eos)
     log(summary_line(result), flush=True)
@@ -353,12 +355,13 @@ def summary_line(result: dict) -> str:
 
     >>> print(summary_line({"tau_real": 2.1234, "tau_real_ci95": [1.9, 2.31], "bootstrap_resamples": 2000, "k": 3,
     ...     "prompts": 16, "tokens": 1024, "drafting_rounds": 480, "acceptance_per_position": [0.6, 0.5, 0.4],
-    ...     "speedup": 1.5, "exact": True, "tau_simulated": 1.9, "tau_frequent_token": 1.1}))
-    evaluate: tau_real 2.123 (95 % CI 1.900-2.310 over the 16 prompts, bootstrap) tokens per drafting round, the prefill's token not counted (K=3, 16 prompts, 1024 tokens, 480 rounds); acceptance per position [0.6, 0.5, 0.4]; speedup 1.50x on this machine (full-recompute target forward); output equals greedy: True; simulated tau 1.900; most-frequent-token drafter: tau 1.100
+    ...     "speedup": 1.5, "exact": True, "tau_simulated": 1.9, "tau_predicted": 2.05, "tau_frequent_token": 1.1}))
+    evaluate: tau_real 2.123 (95 % CI 1.900-2.310 over the 16 prompts, bootstrap) tokens per drafting round, the prefill's token not counted (K=3, 16 prompts, 1024 tokens, 480 rounds); acceptance per position [0.6, 0.5, 0.4]; speedup 1.50x on this machine (full-recompute target forward); output equals greedy: True; simulated tau 1.900; predicted tau 2.050; most-frequent-token drafter: tau 1.100
     """
-    ci, simulated, frequent = (
+    ci, simulated, predicted, frequent = (
         result.get("tau_real_ci95"),
         result.get("tau_simulated"),
+        result.get("tau_predicted"),
         result.get("tau_frequent_token"),
     )
     return (
@@ -369,6 +372,7 @@ def summary_line(result: dict) -> str:
         f"{result['acceptance_per_position']}; speedup {result['speedup']:.2f}x on this machine (full-recompute "
         f"target forward); output equals greedy: {result['exact']}"
         + (f"; simulated tau {simulated:.3f}" if simulated is not None else "")
+        + (f"; predicted tau {predicted:.3f}" if predicted is not None else "")
         + (f"; most-frequent-token drafter: tau {_fmt(frequent)}" if "tau_frequent_token" in result else "")
     )
 
@@ -425,6 +429,7 @@ def evaluate_vllm(
     if run_cfg is not None:
         result["step"] = run_cfg.evaluated_step
         result["tau_simulated"] = simulated_tau(Path(run_cfg.run_dir), result["step"])
+        result["tau_predicted"] = simulated_tau(Path(run_cfg.run_dir), result["step"], "tau_predicted")
     log(log_line(result), flush=True)
     return result
 
