@@ -61,6 +61,7 @@ def train_argv(data: Path, run: Path, steps: int, every: int, extra: list[str]) 
         "ttt_steps": 3,
         "checkpoint_every": every,
         "val_every": every,
+        "val_max_new": 48,  # tau_predicted for a decoder of 48 tokens per prompt, as the benches evaluate
         "keep_checkpoints": 100,
         "device": "cpu",
         "dtype": "fp32",

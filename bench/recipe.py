@@ -43,6 +43,7 @@ VARIANTS = {
     "kl+lk": (["--lk_weight", "0.5"], "responses"),
     "gamma 0.8": (["--ttt_gamma", "0.8"], "responses"),
     "lm head trained": (["--train_lm_head", "true"], "responses"),
+    "drop oov targets": (["--drop_oov_targets", "true"], "responses"),
     "speculators optimizer": (
         ["--weight_decay", "0.01", "--grad_clip", "1.0", "--adam_beta2", "0.999"],
         "responses",

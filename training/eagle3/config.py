@@ -105,6 +105,11 @@ class TrainConfig:
         bound=UNIT_CLOSED,
         fix="0 (KL), 1 (LK) or a mix such as 0.5",
     )
+    drop_oov_targets: bool = option(
+        False,
+        "train only where the target's token (its argmax over the whole vocabulary) is in the draft vocabulary, as "
+        "SpecForge does; the dropped positions still count in each step's mean, and in the accuracies",
+    )
     epochs: int = option(1, "passes over the training split (when max_steps is 0)", bound=AT_LEAST_1)
     max_steps: int = option(0, "optimizer steps in all; 0: the epochs decide", bound=NON_NEGATIVE)
     lr: float = option(1e-4, "peak AdamW learning rate", bound=POSITIVE, fix="for example 1e-4")

@@ -357,6 +357,7 @@ class Eagle3Drafter(nn.Module):
         context: ContextShard = SINGLE,
         lk_weight: float = 0.0,
         walk_max_new: int = 0,
+        drop_oov_targets: bool = False,
     ):
         """See `ttt_forward`."""
         return _ttt_loss(
@@ -370,6 +371,7 @@ class Eagle3Drafter(nn.Module):
             context,
             lk_weight,
             walk_max_new,
+            drop_oov_targets,
         )
 
 
@@ -404,6 +406,7 @@ def _ttt_loss(
     context: ContextShard = SINGLE,
     lk_weight: float = 0.0,
     walk_max_new: int = 0,
+    drop_oov_targets: bool = False,
 ):
     """The TTT steps first (every step's hidden state is kept for backward anyway: the next step's input), then
     the loss walked by chunks of *target* slots: a chunk's target logits, argmax and probabilities are made once
@@ -438,6 +441,7 @@ def _ttt_loss(
         best_id, true_id, (p_t, neg_entropy) = model.target_chunk(last_hidden[c:e])
         restricted.append(best_id)
         true.append(true_id)
+        in_draft = _in_draft(model, batch, true_id, c, e) if drop_oov_targets else None
         for step in range(ttt_steps):
             n = weights[step].shape[0]
             # own slots j whose target j+1+step is in the chunk
@@ -445,12 +449,15 @@ def _ttt_loss(
             if hi <= lo:
                 continue
             t0 = lo + 1 + step - c
+            weight = weights[step][lo:hi]
+            if in_draft is not None:  # no loss where the target's token is one the drafter cannot propose
+                weight = weight * in_draft[t0 : t0 + hi - lo]
             part, kl, draft_ids, alpha = fused_kl(
                 model,
                 hiddens[step][lo:hi],
                 p_t[t0 : t0 + hi - lo],
                 neg_entropy[t0 : t0 + hi - lo],
-                weights[step][lo:hi],
+                weight,
                 lk_weight,
             )
             loss = loss + part
@@ -480,11 +487,14 @@ def ttt_forward(
     context: ContextShard = SINGLE,
     lk_weight: float = 0.0,
     walk_max_new: int = 0,
+    drop_oov_targets: bool = False,
 ):
     """Loss and statistics of one packed row over `ttt_steps` TTT steps.
 
     loss = sum_k gamma^k * mean loss_i over the supervised slots of step k (a scalar to backward), loss_i the
-    KL, or (1 - lk_weight) KL + lk_weight LK (eagle3.loss: the acceptance-aware loss).
+    KL, or (1 - lk_weight) KL + lk_weight LK (eagle3.loss: the acceptance-aware loss); with drop_oov_targets, 0 at
+    the slots whose target token (the target's argmax over its whole vocabulary) is outside the draft vocabulary
+    (they still count in the step's mean and in the statistics).
     stats: float64 CPU tensors [ttt_steps] as sums and counts (all-reduce them in one collective):
     loss_sum (loss_i summed over supervised slots), count (supervised slots), full_acc_sum (slots
     whose draft argmax matched at every step 0..k), cond_acc_sum / cond_acc_count (matched at k
@@ -509,7 +519,21 @@ def ttt_forward(
         context=context,
         lk_weight=lk_weight,
         walk_max_new=walk_max_new,
+        drop_oov_targets=drop_oov_targets,
     )
+
+
+def _in_draft(model, batch: dict, true_id, lo: int, hi: int) -> torch.Tensor:
+    """1.0 where the target's token at target slots [lo, hi) (the chunk's full-vocabulary argmax, else the batch's
+    `target_ids`) is in the draft vocabulary, else 0.0."""
+    if true_id is None:
+        if "target_ids" not in batch:
+            raise ConfigError(
+                "drop_oov_targets needs the target's token over its whole vocabulary: load_target_weights(..., "
+                "keep_full_head=True), or `target_ids` in the batch"
+            )
+        true_id = batch["target_ids"][lo:hi].long()
+    return model.t2d[true_id].float()
 
 
 @torch.no_grad()

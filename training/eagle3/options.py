@@ -128,6 +128,7 @@ class RunOptions:
     nodes: int = 1  # torchrun agents (nodes) in the run
     context_parallel: int = 1  # ranks one row is split over (eagle3.context); world_size / it rows per step
     lk_weight: float = 0.0  # the acceptance-aware share of the loss (eagle3.loss)
+    drop_oov_targets: bool = False  # no loss where the target's token is outside the draft vocabulary
 
     @property
     def data_parallel(self) -> int:
@@ -162,6 +163,7 @@ class RunOptions:
             "loss_chunk_size": self.loss_chunk_size,
             "attention": self.attention,
             "lk_weight": self.lk_weight,
+            "drop_oov_targets": self.drop_oov_targets,
         }
 
 
@@ -218,6 +220,7 @@ def resolve_options(cfg, device, world_size: int = 1, nodes: int = 1) -> RunOpti
         nodes=nodes,
         context_parallel=cfg.context_parallel,
         lk_weight=cfg.lk_weight,
+        drop_oov_targets=cfg.drop_oov_targets,
     )
 
 

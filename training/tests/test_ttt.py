@@ -264,3 +264,35 @@ def test_validation_replays_the_rounds_a_greedy_decoder_runs_over_the_row(make_m
     with torch.no_grad():
         _, stats = ttt_forward(model, batch, ttt_steps=steps)
     assert stats["rounds_sum"].sum() == 0
+
+
+def test_drop_oov_targets_trains_only_where_the_drafter_could_propose_the_target(make_model, make_row, tiny_config):
+    """drop_oov_targets: a slot whose target token (here the batch's target_ids) is outside the draft vocabulary
+    adds nothing to the loss but still counts in the step's mean and the statistics. With one TTT step the loss is
+    then the loss of the row with those slots unsupervised, scaled by kept / supervised; all in the draft vocabulary
+    changes nothing, none gives a zero loss and no gradient."""
+    cfg = tiny_config(draft_vocab_size=4, target_vocab_size=8)
+    model = make_model(cfg)
+    batch = make_row(cfg, [30], seq_len=32, seed=3)
+    inside, outside = torch.nonzero(model.t2d).flatten(), torch.nonzero(~model.t2d).flatten()
+    ids = torch.where(torch.arange(32) % 3 == 0, outside[0], inside[torch.arange(32) % len(inside)])
+    batch["target_ids"] = ids
+    model.load_target_weights(**{**_target_of(model), "keep_full_head": False})
+
+    def loss(b, **kw):
+        return ttt_forward(model, b, ttt_steps=1, **kw)
+
+    dropped, stats = loss(batch, drop_oov_targets=True)
+    kept_mask = batch["loss_mask"].clone()
+    kept_mask[ids == outside[0]] = False  # target slot t is supervised at step 0 through loss_mask[t]
+    masked, masked_stats = loss({**batch, "loss_mask": kept_mask})
+    n, kept = stats["count"][0], masked_stats["count"][0]
+    assert 0 < kept < n
+    torch.testing.assert_close(dropped * n, masked * kept, rtol=1e-5, atol=1e-6)
+    assert stats["count"][0] == loss(batch)[1]["count"][0]  # the statistics keep every supervised slot
+    all_in = {**batch, "target_ids": inside[torch.arange(32) % len(inside)]}
+    torch.testing.assert_close(loss(all_in, drop_oov_targets=True)[0], loss(all_in)[0])
+    none_in = {**batch, "target_ids": torch.full((32,), int(outside[0]))}
+    zero, _ = loss(none_in, drop_oov_targets=True)
+    zero.backward()
+    assert zero.item() == 0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
