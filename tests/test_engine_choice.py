@@ -5,13 +5,11 @@ and generate's own command line takes exactly those words."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_serve import exec_start
+from test_serve import exec_start, render_play
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -47,16 +45,7 @@ def units(tmp_path_factory):
     out = tmp_path_factory.mktemp("datagen-units")
     play = out / "render.yml"
     play.write_text(RENDER.format(root=ROOT))
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-    proc = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", "localhost,", str(play), "-e", f"out={out}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    render_play(play, "localhost,", out)
     return {name: exec_start((out / f"{name}.service").read_text()) for name in ("transformers", "vllm")}
 
 

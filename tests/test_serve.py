@@ -291,9 +291,15 @@ def rendered(tmp_path_factory):
     inv = local_training_inventory(
         out / "hosts.yml", eagle3_serve_target="/var/lib/eagle3/tiny-target", eagle3_serve_venv=str(out / "venv")
     )
+    render_play(play, str(inv), out)
+    return out
+
+
+def render_play(play: Path, hosts: str, out: Path) -> None:
+    """Run a playbook that renders role templates into `out` (its variable), failing with the play's output."""
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
     proc = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inv), str(play), "-e", f"out={out}"],
+        [str(ANSIBLE_PLAYBOOK), "-i", hosts, str(play), "-e", f"out={out}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -301,7 +307,6 @@ def rendered(tmp_path_factory):
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
-    return out
 
 
 @pytest.mark.slow

@@ -212,17 +212,12 @@ def test_cli_json_is_what_the_ansible_role_parses(capsys):
     assert out["options"]["activation_checkpointing"] and out["options"]["fsdp"]
 
 
-KIMI = [
-    "--shape",
-    "kimi-k2.5",
-    "--world-size",
-    "8",
-    "--memory-gb",
-    "96",
-    "--activation-checkpointing",
-    "--fsdp",
-    "--json",
-]
+def kimi(shape: str = "kimi-k2.5") -> list[str]:
+    """The planner's command line for a Kimi-K2.5-shaped drafter on 8 GPUs of 96 GiB, checkpointing and FSDP2."""
+    return ["--shape", shape, "--world-size", "8", "--memory-gb", "96", "--activation-checkpointing", "--fsdp", "--json"]
+
+
+KIMI = kimi()
 
 
 def test_the_planner_decides_the_runs_length_and_context_parallel(capsys):
@@ -465,17 +460,7 @@ def test_the_plan_table_says_why_it_advises_a_loss_chunk():
 def test_the_mla_drafter_is_planned_and_keeps_one_latent_per_token_and_step(capsys):
     """MLA's TTT steps keep one latent (kv_lora_rank + qk_rope_head_dim) per token for every head instead of K and
     V per key/value head: under checkpointing, what the steps keep per token falls (bench/memory.py part (c))."""
-    args = [
-        "--shape",
-        "kimi-k2.5-mla",
-        "--world-size",
-        "8",
-        "--memory-gb",
-        "96",
-        "--activation-checkpointing",
-        "--fsdp",
-        "--json",
-    ]
+    args = kimi("kimi-k2.5-mla")
     assert P.main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["shape"]["kv_lora_rank"] == 512 and out["max_seq_len"] >= 65536
