@@ -214,7 +214,17 @@ def test_cli_json_is_what_the_ansible_role_parses(capsys):
 
 def kimi(shape: str = "kimi-k2.5") -> list[str]:
     """The planner's command line for a Kimi-K2.5-shaped drafter on 8 GPUs of 96 GiB, checkpointing and FSDP2."""
-    return ["--shape", shape, "--world-size", "8", "--memory-gb", "96", "--activation-checkpointing", "--fsdp", "--json"]
+    return [
+        "--shape",
+        shape,
+        "--world-size",
+        "8",
+        "--memory-gb",
+        "96",
+        "--activation-checkpointing",
+        "--fsdp",
+        "--json",
+    ]
 
 
 KIMI = kimi()
