@@ -184,12 +184,21 @@ def generate(
 
 
 def _check_engine(engine: str, regenerate_responses: bool, world_size: int) -> None:
+    """What the engine cannot do; ConfigError before anything is written (and before vLLM is imported)."""
     if engine not in ENGINES:
         raise ConfigError(f"generate: engine {engine!r} is not one of {', '.join(ENGINES)}")
-    if engine == "vllm":
-        from eagle3.generate_vllm import check_engine_use
-
-        check_engine_use(regenerate_responses, world_size)
+    if engine != "vllm":
+        return
+    if regenerate_responses:
+        raise ConfigError(
+            "generate: --regenerate runs the target through transformers; leave out --engine vllm "
+            "to regenerate, or generate from data that already holds the target's responses"
+        )
+    if world_size > 1:
+        raise ConfigError(
+            "generate: --engine vllm runs as one process (vLLM spreads the target over GPUs itself: "
+            """--vllm-args '{"tensor_parallel_size": 8}'); do not start it under torchrun"""
+        )
 
 
 def _target_tensors(model, target: Path, config, store) -> dict:

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from eagle3.errors import ConfigError, DataError
+from eagle3.errors import DataError
 
 # Each request's states wait here (inside the dataset folder) until its shard is written; removed after each shard.
 SPOOL = ".vllm-hidden-states"
@@ -175,7 +175,7 @@ def target_weights(target: Path, config) -> dict[str, torch.Tensor]:
     result = {}
     for key, param in wanted.items():
         for name in names.get(id(param), []):
-            file = target / files[name] if files is not None and name in files else single if files is None else None
+            file = single if files is None else target / files[name] if name in files else None
             if file is None or not file.is_file():
                 continue
             with safe_open(str(file), framework="pt") as f:
@@ -188,17 +188,3 @@ def target_weights(target: Path, config) -> dict[str, torch.Tensor]:
                 f"files in {target}"
             )
     return result
-
-
-def check_engine_use(regenerate_responses: bool, world_size: int) -> None:
-    """What --engine vllm does not do; ConfigError before anything is written."""
-    if regenerate_responses:
-        raise ConfigError(
-            "generate: --regenerate runs the target through transformers; leave out --engine vllm "
-            "to regenerate, or generate from data that already holds the target's responses"
-        )
-    if world_size > 1:
-        raise ConfigError(
-            "generate: --engine vllm runs as one process (vLLM spreads the target over GPUs itself: "
-            "--vllm-args '{\"tensor_parallel_size\": 8}'); do not start it under torchrun"
-        )
